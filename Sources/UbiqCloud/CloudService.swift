@@ -1,0 +1,86 @@
+import Foundation
+import UbiqCore
+
+/// One page of a container's change feed: the newest state of every item changed after the
+/// token the caller passed, in change order.
+public struct ChangeBatch: Codable, Sendable {
+  public var items: [CloudItem]
+  /// Pass this as `since` to continue.
+  public var token: Int64
+  public var hasMore: Bool
+  public init(items: [CloudItem], token: Int64, hasMore: Bool) {
+    self.items = items
+    self.token = token
+    self.hasMore = hasMore
+  }
+}
+
+/// Storage use of one account.
+public struct Usage: Codable, Sendable, Equatable {
+  public var usedBytes: Int64
+  /// 0 means unlimited.
+  public var quotaBytes: Int64
+  public init(usedBytes: Int64, quotaBytes: Int64) {
+    self.usedBytes = usedBytes
+    self.quotaBytes = quotaBytes
+  }
+}
+
+/// What the client's sync engine needs from a cloud, for one signed-in account. Implemented
+/// in-process by `CloudEngine` (the embedded default) and over HTTP by the `ubiqfs serve` client.
+public protocol CloudService: Sendable {
+  /// Creates the container (with its `Documents/` directory) if it does not exist yet.
+  func ensureContainer(_ container: ContainerID) async throws
+  /// The subset of `hashes` this account's chunk store does not hold.
+  func missingChunks(_ hashes: [String]) async throws -> Set<String>
+  /// Stores one chunk after verifying that `data` hashes to `hash`.
+  func putChunk(hash: String, data: Data) async throws
+  /// Reads a chunk (or a byte range of it).
+  func getChunk(hash: String, range: Range<Int64>?) async throws -> Data
+  /// Writes an item version. `ifMatch` is the etag the change is based on (nil for a new item).
+  /// Throws `CloudError.conflict` with the server's record on a stale etag.
+  func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem
+  /// Deletes an item (leaves a tombstone in the change feed).
+  func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
+    -> CloudItem
+  /// The current record of one item, tombstones included.
+  func item(_ container: ContainerID, itemID: String) async throws -> CloudItem?
+  /// Changes after `since` (0 = from the beginning).
+  func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch
+  func usage() async throws -> Usage
+}
+
+/// Failures specific to the cloud protocol.
+public enum CloudError: Error, CustomStringConvertible, Sendable {
+  /// The write was based on a stale etag; `current` is the server's record.
+  case conflict(current: CloudItem)
+  case missingChunks([String])
+  case hashMismatch(String)
+  case quotaExceeded(Usage)
+  case notFound(String)
+  case invalid(String)
+  case unavailable(String)
+
+  public var description: String {
+    switch self {
+    case .conflict(let c): return "conflict: server has etag \(c.etag) for \(c.itemID)"
+    case .missingChunks(let h): return "missing chunks: \(h.prefix(3).joined(separator: ", "))"
+    case .hashMismatch(let h): return "chunk data does not match hash \(h)"
+    case .quotaExceeded(let u): return "quota exceeded: \(u.usedBytes) of \(u.quotaBytes) bytes used (EDQUOT)"
+    case .notFound(let m): return "not found: \(m)"
+    case .invalid(let m): return "invalid request: \(m)"
+    case .unavailable(let m): return "cloud unavailable: \(m)"
+    }
+  }
+
+  /// The errno an operation blocked by this error reports on the mount.
+  public var errno: Int32 {
+    switch self {
+    case .quotaExceeded: return EDQUOT
+    case .unavailable: return EHOSTUNREACH
+    case .notFound: return ENOENT
+    case .conflict: return EBUSY
+    default: return EIO
+    }
+  }
+}

@@ -1,0 +1,75 @@
+import Foundation
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Chunks as files: `<root>/<account>/<first two hex digits>/<hash>`, written to a temporary
+/// file, fsynced and renamed into place so a crash never leaves a torn chunk.
+public final class FolderBlobStore: BlobStore, @unchecked Sendable {
+  let root: URL
+
+  public init(root: URL) throws {
+    self.root = root
+    try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
+  }
+
+  func path(_ account: String, _ hash: String) -> String {
+    root.appendingPathComponent(account).appendingPathComponent(String(hash.prefix(2)))
+      .appendingPathComponent(hash).path
+  }
+
+  public func contains(account: String, hash: String) throws -> Bool {
+    access(path(account, hash), F_OK) == 0
+  }
+
+  public func put(account: String, hash: String, data: Data) throws {
+    let final = path(account, hash)
+    let dir = (final as NSString).deletingLastPathComponent
+    try FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true)
+    let tmp = final + ".tmp.\(getpid()).\(UInt32.random(in: 0...UInt32.max))"
+    let fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
+    guard fd >= 0 else { throw UbiqError.io("cannot create \(tmp): \(String(cString: strerror(errno)))") }
+    defer { close(fd) }
+    try data.withUnsafeBytes { raw in
+      var done = 0
+      while done < raw.count {
+        let n = write(fd, raw.baseAddress! + done, raw.count - done)
+        if n < 0 {
+          if errno == EINTR { continue }
+          unlink(tmp)
+          throw UbiqError.io("write \(tmp): \(String(cString: strerror(errno)))")
+        }
+        done += n
+      }
+    }
+    guard fsync(fd) == 0, rename(tmp, final) == 0 else {
+      unlink(tmp)
+      throw UbiqError.io("storing chunk \(hash): \(String(cString: strerror(errno)))")
+    }
+  }
+
+  public func get(account: String, hash: String, range: Range<Int64>?) throws -> Data {
+    let p = path(account, hash)
+    let fd = open(p, O_RDONLY | O_CLOEXEC)
+    guard fd >= 0 else { throw CloudError.notFound("chunk \(hash)") }
+    defer { close(fd) }
+    var st = stat()
+    fstat(fd, &st)
+    let size = Int64(st.st_size)
+    let lower = max(0, min(range?.lowerBound ?? 0, size))
+    let upper = max(lower, min(range?.upperBound ?? size, size))
+    var out = Data(count: Int(upper - lower))
+    try out.withUnsafeMutableBytes { raw in
+      var done = 0
+      while done < raw.count {
+        let n = pread(fd, raw.baseAddress! + done, raw.count - done, off_t(lower) + off_t(done))
+        if n < 0 && errno == EINTR { continue }
+        if n <= 0 { throw UbiqError.io("short read of chunk \(hash)") }
+        done += n
+      }
+    }
+    return out
+  }
+}

@@ -1,0 +1,130 @@
+import Foundation
+
+/// The kind of a synced item.
+public enum ItemKind: Int, Codable, Sendable {
+  case file = 1
+  case directory = 2
+  case symlink = 3
+}
+
+/// A validated ubiquity container identifier such as `iCloud.com.example.notes` or
+/// `TEAMID.com.example.notes`.
+public struct ContainerID: Hashable, Codable, Sendable, CustomStringConvertible {
+  public let rawValue: String
+  public static let defaultContainer = ContainerID(unchecked: "iCloud.default")
+
+  public init(_ raw: String) throws {
+    let allowed = CharacterSet(charactersIn: "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_")
+    guard !raw.isEmpty, raw.utf8.count <= 255, raw.unicodeScalars.allSatisfy({ allowed.contains($0) }),
+      raw.contains("."), !raw.hasPrefix("."), !raw.hasSuffix("."), !raw.contains("..")
+    else {
+      throw UbiqError.invalidArgument(
+        "container identifier '\(raw)' must look like iCloud.com.example.app (letters, digits, '.', '-', '_')")
+    }
+    rawValue = raw
+  }
+
+  init(unchecked: String) { rawValue = unchecked }
+  public var description: String { rawValue }
+}
+
+/// Well-known cloud item identifiers every device agrees on.
+public enum WellKnownItem {
+  /// The container root (never shown by name).
+  public static let root = "root"
+  /// `Documents/`, the user-visible surface of a container.
+  public static let documents = "documents"
+}
+
+/// Rules for a single path component, shared by the client and the server.
+public enum ItemName {
+  public static let maxBytes = 255
+
+  /// Throws a typed error for a name the filesystem or the cloud must refuse.
+  public static func validate(_ name: String) throws {
+    if name.isEmpty { throw UbiqError.invalidArgument("empty name") }
+    if name.utf8.count > maxBytes { throw UbiqError.nameTooLong("\(name.utf8.count) bytes (maximum \(maxBytes))") }
+    if name == "." || name == ".." { throw UbiqError.invalidArgument("'\(name)' is not a valid name") }
+    if name.utf8.contains(0x2F) || name.utf8.contains(0) {
+      throw UbiqError.invalidArgument("a name may not contain '/' or NUL")
+    }
+  }
+
+  /// Items whose name ends in `.nosync` stay on this device.
+  public static func isNoSync(_ name: String) -> Bool { name.hasSuffix(".nosync") }
+
+  /// "name 2.ext", "name 3.ext", ... for de-duplicating names.
+  public static func numbered(_ name: String, _ n: Int) -> String {
+    if let dot = name.lastIndex(of: "."), dot != name.startIndex {
+      return "\(name[..<dot]) \(n)\(name[dot...])"
+    }
+    return "\(name) \(n)"
+  }
+}
+
+/// One content-defined chunk of a file version: its SHA-256 (lower-case hex) and length.
+public struct ChunkRef: Codable, Hashable, Sendable {
+  public var hash: String
+  public var length: Int64
+  public init(hash: String, length: Int64) {
+    self.hash = hash
+    self.length = length
+  }
+}
+
+/// The cloud's record of one item (file, directory or symlink) in a container.
+public struct CloudItem: Codable, Equatable, Sendable {
+  public var itemID: String
+  public var parentID: String?
+  public var name: String
+  public var kind: ItemKind
+  public var mode: UInt32
+  public var size: Int64
+  public var mtimeNs: Int64
+  public var symlinkTarget: String?
+  /// The user's own `user.*` extended attributes (name without the `user.` prefix kept as is).
+  public var xattrs: [String: Data]
+  public var chunks: [ChunkRef]
+  /// Server-assigned version tag; changes on every accepted write.
+  public var etag: String
+  public var deleted: Bool
+  /// Position of this version in the container's change sequence.
+  public var changeSeq: Int64
+  /// The device that wrote this version.
+  public var deviceID: String
+
+  public init(
+    itemID: String, parentID: String?, name: String, kind: ItemKind, mode: UInt32, size: Int64,
+    mtimeNs: Int64, symlinkTarget: String? = nil, xattrs: [String: Data] = [:], chunks: [ChunkRef] = [],
+    etag: String = "", deleted: Bool = false, changeSeq: Int64 = 0, deviceID: String = ""
+  ) {
+    self.itemID = itemID
+    self.parentID = parentID
+    self.name = name
+    self.kind = kind
+    self.mode = mode
+    self.size = size
+    self.mtimeNs = mtimeNs
+    self.symlinkTarget = symlinkTarget
+    self.xattrs = xattrs
+    self.chunks = chunks
+    self.etag = etag
+    self.deleted = deleted
+    self.changeSeq = changeSeq
+    self.deviceID = deviceID
+  }
+}
+
+/// Wall-clock helpers in nanoseconds since the Unix epoch (the unit the index stores).
+public enum Clock {
+  public static func nowNs() -> Int64 {
+    var ts = timespec()
+    clock_gettime(CLOCK_REALTIME, &ts)
+    return Int64(ts.tv_sec) * 1_000_000_000 + Int64(ts.tv_nsec)
+  }
+  public static func monotonicNs() -> UInt64 {
+    var ts = timespec()
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return UInt64(ts.tv_sec) * 1_000_000_000 + UInt64(ts.tv_nsec)
+  }
+}

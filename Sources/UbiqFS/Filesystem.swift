@@ -1,0 +1,531 @@
+import CFuse3
+import Foundation
+import Logging
+import UbiqCore
+import UbiqIndex
+import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Tunables of a mount.
+public struct MountOptions: Sendable {
+  /// How long the kernel may cache entries and attributes, in seconds.
+  public var attrTimeout: Double = 1.0
+  public var entryTimeout: Double = 1.0
+  public var maxThreads: Int = 16
+  public var debug = false
+  public init() {}
+}
+
+/// The FUSE low-level operations of one mounted container: answers the kernel from the local
+/// index (metadata) and the content cache (file bytes), and records every change in the index
+/// and its durable upload queue. Never waits on the network for metadata.
+public final class UbiqFilesystem: @unchecked Sendable {
+  let index: IndexStore
+  let cache: ContentCache
+  let coordinator: WriteCoordinator
+  let container: ContainerID
+  let options: MountOptions
+  let log: Logger
+  let handles = HandleTable()
+  /// Called after something was queued for upload.
+  var onQueued: () -> Void = {}
+  /// Computes the virtual `user.ubiq.*` attributes.
+  lazy var xattrSurface = XattrSurface(fs: self)
+
+  public init(
+    index: IndexStore, cache: ContentCache, coordinator: WriteCoordinator, container: ContainerID,
+    options: MountOptions, logger: Logger, onQueued: @escaping () -> Void
+  ) {
+    self.index = index
+    self.cache = cache
+    self.coordinator = coordinator
+    self.container = container
+    self.options = options
+    self.log = logger
+    self.onQueued = onQueued
+  }
+
+  // MARK: - helpers
+
+  func fail(_ req: fuse_req_t?, _ code: Int32) { _ = fuse_reply_err(req, code) }
+
+  func reply(_ req: fuse_req_t?, error: Error) {
+    let code: Int32
+    switch error {
+    case let e as UbiqError: code = e.errno
+    default:
+      log.error("internal error: \(error)")
+      code = EIO
+    }
+    _ = fuse_reply_err(req, code)
+  }
+
+  func name(_ p: UnsafePointer<CChar>?) -> String { p.map { String(cString: $0) } ?? "" }
+
+  /// Validates a name coming from the kernel (ENAMETOOLONG beyond 255 bytes).
+  func checkName(_ n: String) throws {
+    if n.utf8.count > ItemName.maxBytes { throw UbiqError.nameTooLong(n) }
+  }
+
+  func stat(for row: ItemRow) -> stat {
+    var st = Glibc.stat()
+    let ino = row.id!
+    st.st_ino = UInt(ino)
+    let typeBits: UInt32
+    switch row.kind {
+    case .file: typeBits = S_IFREG
+    case .directory: typeBits = S_IFDIR
+    case .symlink: typeBits = S_IFLNK
+    }
+    st.st_mode = typeBits | (row.mode & 0o7777)
+    st.st_nlink = row.kind == .directory ? 2 : 1
+    st.st_uid = row.uid
+    st.st_gid = row.gid
+    var size = row.size
+    var mtime = row.mtimeNs
+    if row.kind == .file, let live = handles.liveState(ino) {
+      if live.anyFD >= 0 {
+        var fst = Glibc.stat()
+        if fstat(live.anyFD, &fst) == 0 { size = Int64(fst.st_size) }
+      }
+      if let m = live.pendingMtimeNs { mtime = m }
+    }
+    if row.kind == .directory { size = 4096 }
+    st.st_size = Int(size)
+    st.st_blksize = 128 * 1024
+    // An evicted file keeps its size but occupies nothing locally.
+    st.st_blocks = (row.kind == .file && row.content == .dataless) ? 0 : Int((size + 511) / 512)
+    st.st_atim = Self.ts(row.atimeNs)
+    st.st_mtim = Self.ts(mtime)
+    st.st_ctim = Self.ts(max(row.ctimeNs, mtime))
+    return st
+  }
+
+  static func ts(_ ns: Int64) -> timespec {
+    timespec(tv_sec: Int(ns / 1_000_000_000), tv_nsec: Int(ns % 1_000_000_000))
+  }
+
+  static func ns(_ t: timespec) -> Int64 { Int64(t.tv_sec) * 1_000_000_000 + Int64(t.tv_nsec) }
+
+  func entry(for row: ItemRow) -> fuse_entry_param {
+    var e = fuse_entry_param()
+    e.ino = fuse_ino_t(row.id!)
+    e.generation = 1
+    e.attr = stat(for: row)
+    e.attr_timeout = options.attrTimeout
+    e.entry_timeout = options.entryTimeout
+    return e
+  }
+
+  func requireRow(_ ino: fuse_ino_t) throws -> ItemRow {
+    guard let row = try index.item(Int64(ino)) else { throw UbiqError.notFound("inode \(ino)") }
+    return row
+  }
+
+  func caller(_ req: fuse_req_t?) -> (uid: UInt32, gid: UInt32) {
+    guard let ctx = fuse_req_ctx(req) else { return (getuid(), getgid()) }
+    return (ctx.pointee.uid, ctx.pointee.gid)
+  }
+
+  // MARK: - namespace
+
+  func lookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?) {
+    do {
+      let n = name(namePtr)
+      try checkName(n)
+      guard let row = try index.child(of: Int64(parent), named: n) else {
+        // Negative entry, cached by the kernel for the entry timeout.
+        var e = fuse_entry_param()
+        e.ino = 0
+        e.entry_timeout = options.entryTimeout
+        _ = fuse_reply_entry(req, &e)
+        return
+      }
+      var e = entry(for: row)
+      _ = fuse_reply_entry(req, &e)
+    } catch { reply(req, error: error) }
+  }
+
+  func getattr(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
+    do {
+      if let row = try index.item(Int64(ino)) {
+        var st = stat(for: row)
+        _ = fuse_reply_attr(req, &st, options.attrTimeout)
+        return
+      }
+      // An open file that was unlinked.
+      if let live = handles.liveState(Int64(ino)), let o = live.orphan {
+        var st = Glibc.stat()
+        if live.anyFD >= 0 { fstat(live.anyFD, &st) }
+        st.st_ino = UInt(ino)
+        st.st_mode = S_IFREG | (o.mode & 0o7777)
+        st.st_nlink = 0
+        st.st_uid = o.uid
+        st.st_gid = o.gid
+        st.st_mtim = Self.ts(live.pendingMtimeNs ?? o.mtimeNs)
+        _ = fuse_reply_attr(req, &st, 0)
+        return
+      }
+      throw UbiqError.notFound("inode \(ino)")
+    } catch { reply(req, error: error) }
+  }
+
+  func setattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePointer<stat>?, _ toSet: Int32,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    do {
+      let inode = Int64(ino)
+      guard let a = attr?.pointee else { throw UbiqError.invalidArgument("no attributes") }
+      var c = AttributeChanges()
+      let now = Clock.nowNs()
+      if toSet & FUSE_SET_ATTR_MODE != 0 { c.mode = a.st_mode }
+      if toSet & FUSE_SET_ATTR_UID != 0 { c.uid = a.st_uid }
+      if toSet & FUSE_SET_ATTR_GID != 0 { c.gid = a.st_gid }
+      if toSet & FUSE_SET_ATTR_ATIME_NOW != 0 {
+        c.atimeNs = now
+      } else if toSet & FUSE_SET_ATTR_ATIME != 0 {
+        c.atimeNs = Self.ns(a.st_atim)
+      }
+      if toSet & FUSE_SET_ATTR_MTIME_NOW != 0 {
+        c.mtimeNs = now
+      } else if toSet & FUSE_SET_ATTR_MTIME != 0 {
+        c.mtimeNs = Self.ns(a.st_mtim)
+      }
+      if toSet & FUSE_SET_ATTR_SIZE != 0 {
+        let row = try requireRow(ino)
+        if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
+        if row.kind != .file { throw UbiqError.invalidArgument("not a regular file") }
+        if row.content == .dataless && a.st_size != 0 {
+          throw UbiqError.io("content of \(row.name) is not downloaded")
+        }
+        let size = Int64(a.st_size)
+        let handle = fi.flatMap { handles.get($0.pointee.fh) }
+        let fd = try handle?.fd ?? cache.open(inode, create: true)
+        defer { if handle == nil { close(fd) } }
+        if ftruncate(fd, off_t(size)) != 0 { throw UbiqError.io("truncate: \(String(cString: strerror(errno)))") }
+        c.size = size
+        coordinator.noteReplaced(inode)
+        if c.mtimeNs == nil { c.mtimeNs = now }
+        handles.setPendingMtime(inode, nil)
+      }
+      let row = try index.setAttributes(inode, c)
+      if c.size != nil {
+        try index.recordContentChange(inode, size: c.size!, mtimeNs: row.mtimeNs)
+      }
+      if c.syncs { onQueued() }
+      var st = stat(for: try requireRow(ino))
+      _ = fuse_reply_attr(req, &st, options.attrTimeout)
+    } catch { reply(req, error: error) }
+  }
+
+  func makeItem(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, kind: ItemKind, mode: UInt32,
+    target: String? = nil
+  ) throws -> ItemRow {
+    let n = name(namePtr)
+    try checkName(n)
+    let who = caller(req)
+    let row = try index.create(
+      parent: Int64(parent), name: n, kind: kind, mode: mode & 0o7777, uid: who.uid, gid: who.gid,
+      symlinkTarget: target)
+    onQueued()
+    return row
+  }
+
+  func mkdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t) {
+    do {
+      let row = try makeItem(req, parent, namePtr, kind: .directory, mode: mode)
+      var e = entry(for: row)
+      _ = fuse_reply_entry(req, &e)
+    } catch { reply(req, error: error) }
+  }
+
+  func mknod(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t) {
+    do {
+      guard mode & S_IFMT == S_IFREG else {
+        throw UbiqError.notPermitted("only regular files, directories and symlinks can be stored")
+      }
+      let row = try makeItem(req, parent, namePtr, kind: .file, mode: mode)
+      close(try cache.open(row.id!, create: true))
+      var e = entry(for: row)
+      _ = fuse_reply_entry(req, &e)
+    } catch { reply(req, error: error) }
+  }
+
+  func symlink(
+    _ req: fuse_req_t?, _ link: UnsafePointer<CChar>?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?
+  ) {
+    do {
+      let target = name(link)
+      if target.isEmpty || target.utf8.count > 4095 { throw UbiqError.invalidArgument("bad symlink target") }
+      let row = try makeItem(req, parent, namePtr, kind: .symlink, mode: 0o777, target: target)
+      var e = entry(for: row)
+      _ = fuse_reply_entry(req, &e)
+    } catch { reply(req, error: error) }
+  }
+
+  func readlink(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
+    do {
+      let row = try requireRow(ino)
+      guard row.kind == .symlink, let t = row.symlinkTarget else { throw UbiqError.invalidArgument("not a symlink") }
+      _ = fuse_reply_readlink(req, t)
+    } catch { reply(req, error: error) }
+  }
+
+  func remove(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, directory: Bool) {
+    do {
+      let n = name(namePtr)
+      try checkName(n)
+      let row = try index.remove(parent: Int64(parent), name: n, directory: directory)
+      dispose(row)
+      onQueued()
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+
+  /// Drops the local content of a row that left the namespace (now, or at its last release).
+  func dispose(_ row: ItemRow) {
+    guard let inode = row.id, row.kind == .file else { return }
+    let snap = ItemSnapshot(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs)
+    if !handles.markUnlinked(inode, orphan: snap) {
+      cache.remove(inode)
+      coordinator.forget(inode)
+    }
+  }
+
+  func rename(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ newParent: fuse_ino_t,
+    _ newNamePtr: UnsafePointer<CChar>?, _ flags: UInt32
+  ) {
+    do {
+      let n = name(namePtr)
+      let nn = name(newNamePtr)
+      try checkName(n)
+      try checkName(nn)
+      let mode: IndexStore.RenameMode
+      if flags & UBIQ_RENAME_EXCHANGE != 0 {
+        mode = .exchange
+      } else if flags & UBIQ_RENAME_NOREPLACE != 0 {
+        mode = .noReplace
+      } else if flags == 0 {
+        mode = .replace
+      } else {
+        throw UbiqError.invalidArgument("unsupported rename flags \(flags)")
+      }
+      if mode == .exchange, try index.child(of: Int64(newParent), named: nn) == nil {
+        throw UbiqError.notFound(nn)
+      }
+      let result = try index.rename(
+        parent: Int64(parent), name: n, newParent: Int64(newParent), newName: nn, mode: mode)
+      if let replaced = result.replaced { dispose(replaced) }
+      onQueued()
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+
+  func link(_ req: fuse_req_t?) {
+    // Hard links have no equivalent in the cloud model; tools (git, rsync) fall back to copies.
+    _ = fuse_reply_err(req, EPERM)
+  }
+
+  // MARK: - directories
+
+  func readdir(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, plus: Bool
+  ) {
+    do {
+      let dir = try requireRow(ino)
+      guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
+      var buf = [CChar](repeating: 0, count: size)
+      var used = 0
+      var offset = Int64(off)
+      // Offsets: 1 = ".", 2 = "..", then 2 + child inode (stable while the directory changes).
+      func add(_ name: String, _ st: stat, _ entryParam: fuse_entry_param?, _ nextOff: Int64) -> Bool {
+        let remaining = size - used
+        let need: Int = buf.withUnsafeMutableBufferPointer { b in
+          var st = st
+          if plus {
+            var e = entryParam ?? fuse_entry_param()
+            if entryParam == nil { e.attr = st }
+            return fuse_add_direntry_plus(req, b.baseAddress! + used, remaining, name, &e, off_t(nextOff))
+          }
+          return fuse_add_direntry(req, b.baseAddress! + used, remaining, name, &st, off_t(nextOff))
+        }
+        if need > remaining { return false }
+        used += need
+        return true
+      }
+      if offset < 1 {
+        var st = Glibc.stat()
+        st.st_ino = UInt(ino)
+        st.st_mode = S_IFDIR
+        if !add(".", st, nil, 1) { return finish(req, buf, used) }
+        offset = 1
+      }
+      if offset < 2 {
+        var st = Glibc.stat()
+        st.st_ino = UInt(dir.parent ?? Int64(ino))
+        st.st_mode = S_IFDIR
+        if !add("..", st, nil, 2) { return finish(req, buf, used) }
+        offset = 2
+      }
+      var after = offset - 2
+      outer: while true {
+        let rows = try index.children(of: Int64(ino), after: after, limit: 256)
+        if rows.isEmpty { break }
+        for row in rows {
+          let st = stat(for: row)
+          if !add(row.name, st, plus ? entry(for: row) : nil, row.id! + 2) { break outer }
+          after = row.id!
+        }
+      }
+      finish(req, buf, used)
+    } catch { reply(req, error: error) }
+  }
+
+  private func finish(_ req: fuse_req_t?, _ buf: [CChar], _ used: Int) {
+    buf.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, b.baseAddress, used) }
+  }
+
+  // MARK: - files
+
+  func open(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    do {
+      let row = try requireRow(ino)
+      if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
+      let flags = fi?.pointee.flags ?? 0
+      let writable = flags & O_ACCMODE != O_RDONLY
+      try ensureContent(row)
+      let fd = try cache.open(row.id!, create: false)
+      let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: writable))
+      if let fi {
+        fi.pointee.fh = h
+        // Local writes go through the kernel's page cache, so cached pages stay valid.
+        ubiq_fi_set_keep_cache(fi, 1)
+      }
+      if flags & O_TRUNC != 0 && writable && row.size != 0 {
+        // Without atomic_o_trunc the kernel truncates via setattr; this is only a safety net.
+        _ = ftruncate(fd, 0)
+      }
+      _ = fuse_reply_open(req, fi)
+    } catch { reply(req, error: error) }
+  }
+
+  /// Makes sure the content of a file is in the cache (downloads evicted content).
+  func ensureContent(_ row: ItemRow) throws {
+    if row.content == .cached {
+      if !cache.exists(row.id!) { close(try cache.open(row.id!, create: true)) }
+      return
+    }
+    throw UbiqError.io("content of \(row.name) is not downloaded and downloading is not available")
+  }
+
+  func create(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    do {
+      let row = try makeItem(req, parent, namePtr, kind: .file, mode: mode)
+      let fd = try cache.open(row.id!, create: true)
+      _ = ftruncate(fd, 0)
+      let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: true))
+      if let fi {
+        fi.pointee.fh = h
+        ubiq_fi_set_keep_cache(fi, 1)
+      }
+      var e = entry(for: row)
+      _ = fuse_reply_create(req, &e, fi)
+    } catch { reply(req, error: error) }
+  }
+
+  func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    _ = ubiq_reply_fd(req, f.fd, size, off)
+  }
+
+  func write(
+    _ req: fuse_req_t?, _ buf: UnsafePointer<CChar>?, _ size: Int, _ off: off_t,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    var done = 0
+    while done < size {
+      let n = pwrite(f.fd, buf! + done, size - done, off + off_t(done))
+      if n < 0 {
+        if errno == EINTR { continue }
+        return fail(req, errno)
+      }
+      done += n
+    }
+    coordinator.noteWrite(f.inode, handleWasClean: !f.dirty)
+    f.dirty = true
+    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+    _ = fuse_reply_write(req, done)
+  }
+
+  /// Records the handle's writes in the index and queues the upload.
+  func persist(_ f: OpenFile) throws {
+    guard f.dirty else { return }
+    var st = Glibc.stat()
+    fstat(f.fd, &st)
+    let mtime = handles.takePendingMtime(f.inode) ?? Clock.nowNs()
+    try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime)
+    f.dirty = false
+    coordinator.noteFlushed(f.inode)
+    onQueued()
+  }
+
+  func flush(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    do {
+      try persist(f)
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+
+  func fsync(_ req: fuse_req_t?, _ datasync: Int32, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    do {
+      if (datasync != 0 ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 {
+        throw UbiqError.io("fsync: \(String(cString: strerror(errno)))")
+      }
+      try persist(f)
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+
+  func release(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fi, let (f, last, unlinked) = handles.remove(fi.pointee.fh) else { return fail(req, 0) }
+    do { try persist(f) } catch { log.error("release: \(error)") }
+    close(f.fd)
+    if last && unlinked {
+      cache.remove(f.inode)
+      coordinator.forget(f.inode)
+    }
+    _ = fuse_reply_err(req, 0)
+  }
+
+  func fallocate(
+    _ req: fuse_req_t?, _ mode: Int32, _ off: off_t, _ len: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    guard mode == 0 else { return fail(req, EOPNOTSUPP) }
+    let r = posix_fallocate(f.fd, off, len)
+    if r != 0 { return fail(req, r) }
+    coordinator.noteWrite(f.inode, handleWasClean: !f.dirty)
+    f.dirty = true
+    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+    _ = fuse_reply_err(req, 0)
+  }
+
+  func statfs(_ req: fuse_req_t?) {
+    var sv = statvfs()
+    if statvfs(cache.directory, &sv) != 0 { return fail(req, errno) }
+    sv.f_namemax = UInt(ItemName.maxBytes)
+    _ = fuse_reply_statfs(req, &sv)
+  }
+}

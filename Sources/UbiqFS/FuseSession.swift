@@ -1,0 +1,128 @@
+import CFuse3
+import Foundation
+import Logging
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Owns one libfuse low-level session: builds the operation table that forwards to an
+/// `UbiqFilesystem`, mounts, runs the multithreaded loop and unmounts.
+public final class FuseSession: @unchecked Sendable {
+  let fs: UbiqFilesystem
+  let mountpoint: String
+  private var session: OpaquePointer?
+  private let lock = NSLock()
+  private var unmounted = false
+
+  public init(filesystem: UbiqFilesystem, mountpoint: String) {
+    self.fs = filesystem
+    self.mountpoint = mountpoint
+  }
+
+  /// Mounts the filesystem; throws if libfuse refuses.
+  public func mount(fsname: String) throws {
+    var ops = Self.operations()
+    var args = fuse_args(argc: 0, argv: nil, allocated: 0)
+    let argv = ["ubiqfs", "-o", "fsname=\(fsname),subtype=ubiqfs,default_permissions"] + (fs.options.debug ? ["-d"] : [])
+    for a in argv { fuse_opt_add_arg(&args, a) }
+    defer { fuse_opt_free_args(&args) }
+    let userdata = Unmanaged.passUnretained(fs).toOpaque()
+    guard let se = fuse_session_new(&args, &ops, MemoryLayout<fuse_lowlevel_ops>.size, userdata) else {
+      throw UbiqError.io("fuse_session_new failed")
+    }
+    if fuse_session_mount(se, mountpoint) != 0 {
+      fuse_session_destroy(se)
+      throw UbiqError.io("cannot mount at \(mountpoint) (is /dev/fuse available and the directory empty?)")
+    }
+    session = se
+  }
+
+  /// Runs the request loop on the calling thread until unmounted.
+  public func run() -> Int32 {
+    guard let se = session else { return -1 }
+    let cfg = fuse_loop_cfg_create()
+    fuse_loop_cfg_set_max_threads(cfg, UInt32(fs.options.maxThreads))
+    fuse_loop_cfg_set_idle_threads(cfg, 4)
+    let rc = ubiq_fuse_session_loop_mt(se, cfg)
+    fuse_loop_cfg_destroy(cfg)
+    return rc
+  }
+
+  /// Asks the loop to end: detaches the mount so the kernel closes the connection.
+  public func requestExit() {
+    guard let se = session else { return }
+    fuse_session_exit(se)
+    unmountOnce()
+  }
+
+  private func unmountOnce() {
+    let doIt = lock.withLock { () -> Bool in
+      if unmounted { return false }
+      unmounted = true
+      return true
+    }
+    if doIt, let se = session { fuse_session_unmount(se) }
+  }
+
+  /// Unmounts (if still mounted) and frees the session.
+  public func close() {
+    unmountOnce()
+    if let se = session { fuse_session_destroy(se) }
+    session = nil
+  }
+
+  static func operations() -> fuse_lowlevel_ops {
+    var ops = fuse_lowlevel_ops()
+    ops.`init` = { userdata, conn in
+      guard let conn else { return }
+      let want = FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO | FUSE_CAP_PARALLEL_DIROPS
+        | FUSE_CAP_ASYNC_READ | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE
+      conn.pointee.want |= UInt32(want) & conn.pointee.capable
+      conn.pointee.max_write = 1 << 20
+      conn.pointee.max_readahead = 1 << 20
+      conn.pointee.max_background = 64
+      conn.pointee.congestion_threshold = 48
+      conn.pointee.time_gran = 1
+    }
+    ops.lookup = { req, parent, name in fsOf(req).lookup(req, parent, name) }
+    ops.forget = { req, _, _ in fuse_reply_none(req) }
+    ops.forget_multi = { req, _, _ in fuse_reply_none(req) }
+    ops.getattr = { req, ino, _ in fsOf(req).getattr(req, ino) }
+    ops.setattr = { req, ino, attr, toSet, fi in fsOf(req).setattr(req, ino, attr, toSet, fi) }
+    ops.readlink = { req, ino in fsOf(req).readlink(req, ino) }
+    ops.mknod = { req, parent, name, mode, _ in fsOf(req).mknod(req, parent, name, mode) }
+    ops.mkdir = { req, parent, name, mode in fsOf(req).mkdir(req, parent, name, mode) }
+    ops.unlink = { req, parent, name in fsOf(req).remove(req, parent, name, directory: false) }
+    ops.rmdir = { req, parent, name in fsOf(req).remove(req, parent, name, directory: true) }
+    ops.symlink = { req, link, parent, name in fsOf(req).symlink(req, link, parent, name) }
+    ops.rename = { req, parent, name, newParent, newName, flags in
+      fsOf(req).rename(req, parent, name, newParent, newName, flags)
+    }
+    ops.link = { req, _, _, _ in fsOf(req).link(req) }
+    ops.open = { req, ino, fi in fsOf(req).open(req, ino, fi) }
+    ops.read = { req, _, size, off, fi in fsOf(req).read(req, size, off, fi) }
+    ops.write = { req, _, buf, size, off, fi in fsOf(req).write(req, buf, size, off, fi) }
+    ops.flush = { req, _, fi in fsOf(req).flush(req, fi) }
+    ops.release = { req, _, fi in fsOf(req).release(req, fi) }
+    ops.fsync = { req, _, datasync, fi in fsOf(req).fsync(req, datasync, fi) }
+    ops.readdir = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: false) }
+    ops.readdirplus = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: true) }
+    ops.fsyncdir = { req, _, _, _ in _ = fuse_reply_err(req, 0) }
+    ops.statfs = { req, _ in fsOf(req).statfs(req) }
+    ops.setxattr = { req, ino, name, value, size, flags in fsOf(req).setxattr(req, ino, name, value, size, flags) }
+    ops.getxattr = { req, ino, name, size in fsOf(req).getxattr(req, ino, name, size) }
+    ops.listxattr = { req, ino, size in fsOf(req).listxattr(req, ino, size) }
+    ops.removexattr = { req, ino, name in fsOf(req).removexattr(req, ino, name) }
+    ops.create = { req, parent, name, mode, fi in fsOf(req).create(req, parent, name, mode, fi) }
+    ops.fallocate = { req, _, mode, off, len, fi in fsOf(req).fallocate(req, mode, off, len, fi) }
+    return ops
+  }
+}
+
+/// The filesystem object a request belongs to (the session's userdata).
+@inline(__always)
+func fsOf(_ req: fuse_req_t?) -> UbiqFilesystem {
+  Unmanaged<UbiqFilesystem>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
+}

@@ -1,0 +1,110 @@
+import Foundation
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// One open file handle: the cache file descriptor the kernel's requests go to.
+final class OpenFile {
+  let inode: Int64
+  let fd: Int32
+  let writable: Bool
+  /// Written since the last flush/fsync.
+  var dirty = false
+  init(inode: Int64, fd: Int32, writable: Bool) {
+    self.inode = inode
+    self.fd = fd
+    self.writable = writable
+  }
+}
+
+/// Live state of inodes that have open handles: how many, the latest write time, whether the
+/// item was unlinked while open (its cache file then goes with the last release).
+struct LiveInode {
+  var openCount = 0
+  var pendingMtimeNs: Int64?
+  var unlinked = false
+  /// A descriptor of the cache file, for fstat while the file is open.
+  var anyFD: Int32 = -1
+  /// Attributes to answer getattr with after an unlink (the row is gone).
+  var orphan: ItemSnapshot?
+}
+
+/// A copy of the attributes of a row that no longer exists (open-unlinked file).
+struct ItemSnapshot {
+  var mode: UInt32
+  var uid: UInt32
+  var gid: UInt32
+  var mtimeNs: Int64
+}
+
+/// The handle table and per-inode live state, shared by all FUSE worker threads.
+final class HandleTable: @unchecked Sendable {
+  private var handles: [UInt64: OpenFile] = [:]
+  private var live: [Int64: LiveInode] = [:]
+  private var nextHandle: UInt64 = 1
+  private let lock = NSLock()
+
+  func add(_ f: OpenFile) -> UInt64 {
+    lock.withLock {
+      let h = nextHandle
+      nextHandle += 1
+      handles[h] = f
+      live[f.inode, default: LiveInode()].openCount += 1
+      if live[f.inode]!.anyFD < 0 { live[f.inode]!.anyFD = f.fd }
+      return h
+    }
+  }
+
+  func get(_ h: UInt64) -> OpenFile? { lock.withLock { handles[h] } }
+
+  /// Removes a handle; returns it and whether it was the inode's last one (and whether the
+  /// inode was unlinked meanwhile).
+  func remove(_ h: UInt64) -> (file: OpenFile, last: Bool, unlinked: Bool)? {
+    lock.withLock {
+      guard let f = handles.removeValue(forKey: h) else { return nil }
+      var l = live[f.inode] ?? LiveInode()
+      l.openCount -= 1
+      if l.openCount <= 0 {
+        live[f.inode] = nil
+        return (f, true, l.unlinked)
+      }
+      if l.anyFD == f.fd {
+        l.anyFD = handles.values.first(where: { $0.inode == f.inode })?.fd ?? -1
+      }
+      live[f.inode] = l
+      return (f, false, l.unlinked)
+    }
+  }
+
+  func liveState(_ inode: Int64) -> LiveInode? { lock.withLock { live[inode] } }
+
+  func noteWrite(_ inode: Int64, mtimeNs: Int64) {
+    lock.withLock { live[inode]?.pendingMtimeNs = mtimeNs }
+  }
+
+  func takePendingMtime(_ inode: Int64) -> Int64? {
+    lock.withLock {
+      let m = live[inode]?.pendingMtimeNs
+      live[inode]?.pendingMtimeNs = nil
+      return m
+    }
+  }
+
+  func setPendingMtime(_ inode: Int64, _ m: Int64?) { lock.withLock { live[inode]?.pendingMtimeNs = m } }
+
+  /// Marks an open inode as unlinked; false if it has no open handle.
+  func markUnlinked(_ inode: Int64, orphan: ItemSnapshot) -> Bool {
+    lock.withLock {
+      guard live[inode] != nil else { return false }
+      live[inode]!.unlinked = true
+      live[inode]!.orphan = orphan
+      return true
+    }
+  }
+
+  var openHandleCount: Int { lock.withLock { handles.count } }
+
+  func openInodes() -> Set<Int64> { lock.withLock { Set(live.keys) } }
+}

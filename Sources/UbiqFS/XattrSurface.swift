@@ -1,0 +1,175 @@
+import CFuse3
+import Foundation
+import UbiqCore
+import UbiqIndex
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The extended-attribute surface: the user's own `user.*` attributes (stored in the index and
+/// synced) and the virtual `user.ubiq.*` status/control attributes computed from the index.
+struct XattrSurface {
+  unowned let fs: UbiqFilesystem
+  static let prefix = "user.ubiq."
+  /// Read-only status attributes. Writes to them are accepted and ignored, so that `cp -a` and
+  /// `rsync -X` between two places in the mount keep working.
+  static let statusNames = [
+    "status", "downloading", "uploading", "uploaded", "percent_downloaded", "percent_uploaded", "download_error",
+    "upload_error", "conflicts", "etag", "item_id", "container", "pinned", "excluded",
+  ]
+
+  /// Value of a virtual attribute, or nil if the item has none of that name.
+  func virtualValue(_ name: String, _ row: ItemRow) throws -> String? {
+    let entry = try fs.index.queueEntry(forInode: row.id!)
+    let localOnly = try fs.index.isLocalOnly(row.id!)
+    let uploaded = !localOnly && entry == nil && row.revision == row.syncedRevision
+      && (row.etag != nil || row.id == IndexStore.rootInode)
+    switch name {
+    case "status":
+      if row.kind == .file && row.content == .dataless { return "not_downloaded" }
+      return "current"
+    case "downloading": return "0"
+    case "percent_downloaded": return row.kind == .file && row.content == .dataless ? "0" : "100"
+    case "download_error": return nil
+    case "uploading": return entry != nil ? "1" : "0"
+    case "uploaded": return uploaded ? "1" : "0"
+    case "percent_uploaded": return uploaded ? "100" : "0"
+    case "upload_error":
+      guard let e = entry, let msg = e.lastError else { return nil }
+      return msg
+    case "conflicts": return "0"
+    case "etag": return row.etag
+    case "item_id": return row.itemID
+    case "container": return fs.container.rawValue
+    case "pinned": return row.pinned ? "1" : "0"
+    case "excluded": return localOnly ? "1" : "0"
+    default: return nil
+    }
+  }
+
+  func get(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: String, _ size: Int) throws {
+    let row = try fs.requireRow(ino)
+    let value: Data
+    if name.hasPrefix(Self.prefix) {
+      guard let v = try virtualValue(String(name.dropFirst(Self.prefix.count)), row) else {
+        throw UbiqError.noData(name)
+      }
+      value = Data(v.utf8)
+    } else if name.hasPrefix("user.") {
+      guard let v = try fs.index.xattr(row.id!, name) else { throw UbiqError.noData(name) }
+      value = v
+    } else {
+      throw UbiqError.noData(name)
+    }
+    if size == 0 {
+      _ = fuse_reply_xattr(req, value.count)
+    } else if size < value.count {
+      throw UbiqError.range(name)
+    } else {
+      value.withUnsafeBytes { raw in _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count) }
+    }
+  }
+
+  func list(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) throws {
+    let row = try fs.requireRow(ino)
+    var names = try fs.index.xattrNames(row.id!)
+    for v in Self.statusNames where try virtualValue(v, row) != nil { names.append(Self.prefix + v) }
+    var blob = Data()
+    for n in names {
+      blob.append(contentsOf: Array(n.utf8))
+      blob.append(0)
+    }
+    if size == 0 {
+      _ = fuse_reply_xattr(req, blob.count)
+    } else if size < blob.count {
+      throw UbiqError.range("xattr list")
+    } else {
+      blob.withUnsafeBytes { raw in _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count) }
+    }
+  }
+
+  func set(_ ino: fuse_ino_t, _ name: String, _ value: Data, _ flags: Int32) throws {
+    let row = try fs.requireRow(ino)
+    if name.hasPrefix(Self.prefix) {
+      let key = String(name.dropFirst(Self.prefix.count))
+      let text = String(decoding: value, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+      switch key {
+      case "pinned":
+        try fs.index.setPinned(row.id!, try Self.bool(text, name))
+      case "excluded":
+        try fs.index.setExcluded(row.id!, try Self.bool(text, name))
+        fs.onQueued()
+      case "action":
+        try fs.perform(action: text, on: row)
+      default:
+        if Self.statusNames.contains(key) { return }
+        throw UbiqError.notSupported("unknown ubiqfs attribute \(name)")
+      }
+      return
+    }
+    guard name.hasPrefix("user.") else { throw UbiqError.notSupported("only user.* attributes are stored") }
+    if name.utf8.count > 255 { throw UbiqError.range("attribute name too long") }
+    if value.count > 64 * 1024 { throw UbiqError.range("attribute value larger than 64 KiB") }
+    let mode: IndexStore.XattrMode =
+      flags & UBIQ_XATTR_CREATE != 0 ? .create : (flags & UBIQ_XATTR_REPLACE != 0 ? .replace : .any)
+    try fs.index.setXattr(row.id!, name, value, mode: mode)
+    fs.onQueued()
+  }
+
+  func remove(_ ino: fuse_ino_t, _ name: String) throws {
+    let row = try fs.requireRow(ino)
+    if name.hasPrefix(Self.prefix) { throw UbiqError.notPermitted("\(name) cannot be removed") }
+    guard name.hasPrefix("user.") else { throw UbiqError.noData(name) }
+    try fs.index.removeXattr(row.id!, name)
+    fs.onQueued()
+  }
+
+  static func bool(_ text: String, _ name: String) throws -> Bool {
+    switch text.lowercased() {
+    case "1", "true", "yes", "on": return true
+    case "0", "false", "no", "off", "": return false
+    default: throw UbiqError.invalidArgument("\(name) takes 1 or 0, not '\(text)'")
+    }
+  }
+}
+
+extension UbiqFilesystem {
+  /// `user.ubiq.action`: download | evict.
+  func perform(action: String, on row: ItemRow) throws {
+    switch action {
+    case "download":
+      if row.kind == .file { try ensureContent(row) }
+    case "evict":
+      throw UbiqError.notSupported("eviction is not available yet")
+    default:
+      throw UbiqError.invalidArgument("user.ubiq.action takes 'download' or 'evict', not '\(action)'")
+    }
+  }
+
+  func getxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?, _ size: Int) {
+    do { try xattrSurface.get(req, ino, self.name(name), size) } catch { reply(req, error: error) }
+  }
+
+  func listxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) {
+    do { try xattrSurface.list(req, ino, size) } catch { reply(req, error: error) }
+  }
+
+  func setxattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?, _ value: UnsafePointer<CChar>?,
+    _ size: Int, _ flags: Int32
+  ) {
+    do {
+      let data = value.map { Data(bytes: $0, count: size) } ?? Data()
+      try xattrSurface.set(ino, self.name(name), data, flags)
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+
+  func removexattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?) {
+    do {
+      try xattrSurface.remove(ino, self.name(name))
+      _ = fuse_reply_err(req, 0)
+    } catch { reply(req, error: error) }
+  }
+}

@@ -1,0 +1,150 @@
+import Foundation
+import GRDB
+import UbiqCore
+
+/// What the upload worker needs to send one item: its row, its parent's cloud id and its xattrs,
+/// read in one transaction.
+public struct UploadSnapshot: Sendable {
+  public var row: ItemRow
+  public var parentItemID: String?
+  public var xattrs: [String: Data]
+}
+
+extension IndexStore {
+  /// Queue entries due now, oldest first.
+  public func dueQueue(now: Int64, limit: Int) throws -> [QueueEntry] {
+    try pool.read { db in
+      try QueueEntry.fetchAll(
+        db, sql: "SELECT * FROM uploadQueue WHERE nextAttemptNs <= ? ORDER BY seq LIMIT ?", arguments: [now, limit])
+    }
+  }
+
+  /// When the next queue entry becomes due (nil: queue empty).
+  public func nextDueNs() throws -> Int64? {
+    try pool.read { db in try Int64.fetchOne(db, sql: "SELECT min(nextAttemptNs) FROM uploadQueue") }
+  }
+
+  public func uploadSnapshot(_ inode: Int64) throws -> UploadSnapshot? {
+    try pool.read { db in
+      guard let row = try ItemRow.fetchOne(db, key: inode) else { return nil }
+      let parentID = try row.parent.flatMap {
+        try String.fetchOne(db, sql: "SELECT itemID FROM items WHERE id = ?", arguments: [$0])
+      }
+      var x: [String: Data] = [:]
+      for r in try Row.fetchAll(db, sql: "SELECT name, value FROM xattrs WHERE item = ?", arguments: [inode]) {
+        x[r["name"]] = r["value"]
+      }
+      return UploadSnapshot(row: row, parentItemID: parentID, xattrs: x)
+    }
+  }
+
+  /// Records a successful upload of `revision` of `itemID` from inode `inode`. If the item changed
+  /// meanwhile the entry stays queued; if it was deleted or re-identified meanwhile, the version
+  /// just created is queued for deletion.
+  public func markUploaded(seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem) throws {
+    let manifest = String(data: try JSONEncoder().encode(result.chunks), encoding: .utf8)
+    try pool.write { db in
+      guard let row = try ItemRow.fetchOne(db, key: inode), row.itemID == itemID else {
+        try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
+        return
+      }
+      try db.execute(
+        sql: "UPDATE items SET etag = ?, chunks = ?, syncedRevision = ? WHERE id = ?",
+        arguments: [result.etag, manifest, revision, inode])
+      if row.revision == revision {
+        try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq])
+      } else {
+        try db.execute(
+          sql: "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL WHERE seq = ?",
+          arguments: [seq])
+      }
+    }
+  }
+
+  public func markDone(seq: Int64) throws {
+    try pool.write { db in try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq]) }
+  }
+
+  /// Records a failed attempt; the entry is retried with exponential backoff (1 s doubling to
+  /// at most `maxBackoffNs`) and is never dropped.
+  public func markFailed(seq: Int64, error: String, errno: Int32, maxBackoffNs: Int64 = 60_000_000_000) throws {
+    try pool.write { db in
+      let attempts = try Int.fetchOne(db, sql: "SELECT attempts FROM uploadQueue WHERE seq = ?", arguments: [seq]) ?? 0
+      let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(attempts, 20)))
+      try db.execute(
+        sql: """
+          UPDATE uploadQueue SET attempts = attempts + 1, lastError = ?, lastErrno = ?, nextAttemptNs = ?
+          WHERE seq = ?
+          """, arguments: [error, errno, Clock.nowNs() + backoff, seq])
+    }
+  }
+
+  /// Postpones an entry without counting a failure (e.g. the file is being written).
+  public func postpone(seq: Int64, byNs: Int64) throws {
+    try pool.write { db in
+      try db.execute(
+        sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE seq = ?", arguments: [Clock.nowNs() + byNs, seq])
+    }
+  }
+
+  /// Makes every waiting entry due now (the cloud came back, or the user asked to sync).
+  public func retryAllNow() throws {
+    try pool.write { db in
+      try db.execute(sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?",
+                     arguments: [Clock.nowNs(), Clock.nowNs()])
+    }
+  }
+
+  public func queueSummary() throws -> QueueSummary {
+    try pool.read { db in
+      let items = try Int.fetchOne(db, sql: "SELECT count(*) FROM uploadQueue WHERE item IS NOT NULL") ?? 0
+      let deletes = try Int.fetchOne(db, sql: "SELECT count(*) FROM uploadQueue WHERE deleteItemID IS NOT NULL") ?? 0
+      let bytes =
+        try Int64.fetchOne(
+          db, sql: "SELECT COALESCE(sum(i.size), 0) FROM uploadQueue q JOIN items i ON i.id = q.item WHERE i.kind = 1")
+        ?? 0
+      var failing: [FailingUpload] = []
+      for e in try QueueEntry.fetchAll(
+        db, sql: "SELECT * FROM uploadQueue WHERE lastError IS NOT NULL ORDER BY seq LIMIT 50")
+      {
+        let path = try e.item.flatMap { try Self.path(db, $0) } ?? "(deleted item \(e.deleteItemID ?? "?"))"
+        failing.append(
+          FailingUpload(
+            path: path, attempts: e.attempts, error: e.lastError ?? "", errno: e.lastErrno ?? 0,
+            nextAttemptNs: e.nextAttemptNs))
+      }
+      return QueueSummary(pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing)
+    }
+  }
+
+  /// The queue entry of an item, if it has one.
+  public func queueEntry(forInode inode: Int64) throws -> QueueEntry? {
+    try pool.read { db in
+      try QueueEntry.fetchOne(db, sql: "SELECT * FROM uploadQueue WHERE item = ?", arguments: [inode])
+    }
+  }
+
+  /// Number of queued uploads at or below `inode` (deletes count everywhere, since their
+  /// place in the tree is gone).
+  public func pendingCount(under inode: Int64) throws -> Int {
+    try pool.read { db in
+      try Int.fetchOne(
+        db,
+        sql: """
+          WITH RECURSIVE sub(id) AS (SELECT ? UNION ALL SELECT items.id FROM items JOIN sub ON items.parent = sub.id)
+          SELECT (SELECT count(*) FROM uploadQueue WHERE item IN (SELECT id FROM sub))
+               + (SELECT count(*) FROM uploadQueue WHERE deleteItemID IS NOT NULL)
+          """, arguments: [inode]) ?? 0
+    }
+  }
+
+  /// Items whose name matches a glob (`*`, `?`), with their container-relative paths.
+  public func find(glob: String, limit: Int) throws -> [(path: String, row: ItemRow)] {
+    try pool.read { db in
+      let rows = try ItemRow.fetchAll(
+        db, sql: "SELECT * FROM items WHERE name GLOB ? AND id != ? ORDER BY id LIMIT ?",
+        arguments: [glob, Self.rootInode, limit])
+      return try rows.compactMap { r in try Self.path(db, r.id!).map { ($0, r) } }
+    }
+  }
+}

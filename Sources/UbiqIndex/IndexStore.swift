@@ -1,0 +1,479 @@
+import Foundation
+import GRDB
+import UbiqCore
+
+/// The client's SQLite index for one container on this device: every item's metadata (rowid =
+/// inode), user xattrs, the durable upload queue and small key/value facts (device id, change
+/// token). All namespace changes are single transactions, so a crash never leaves half a rename.
+public final class IndexStore: @unchecked Sendable {
+  public let pool: any DatabaseWriter
+  public static let rootInode: Int64 = 1
+  /// Uploads wait this long after the last change, so that temp files renamed or deleted quickly
+  /// (editor saves, sqlite journals) never travel.
+  public var uploadDelayNs: Int64 = 1_000_000_000
+
+  public init(path: String, readOnly: Bool = false) throws {
+    var config = Configuration()
+    config.busyMode = .timeout(10)
+    config.readonly = readOnly
+    config.prepareDatabase { db in
+      if !readOnly { try db.execute(sql: "PRAGMA synchronous = NORMAL") }
+    }
+    if readOnly {
+      pool = try DatabaseQueue(path: path, configuration: config)
+    } else {
+      pool = try DatabasePool(path: path, configuration: config)
+      try Self.migrator.migrate(pool)
+    }
+  }
+
+  static var migrator: DatabaseMigrator {
+    var m = DatabaseMigrator()
+    m.registerMigration("v1") { db in
+      try db.execute(
+        sql: """
+          CREATE TABLE items(
+            id INTEGER PRIMARY KEY AUTOINCREMENT, itemID TEXT NOT NULL UNIQUE, parent INTEGER, name TEXT NOT NULL,
+            kind INTEGER NOT NULL, mode INTEGER NOT NULL, uid INTEGER NOT NULL, gid INTEGER NOT NULL,
+            size INTEGER NOT NULL, mtimeNs INTEGER NOT NULL, ctimeNs INTEGER NOT NULL, atimeNs INTEGER NOT NULL,
+            symlinkTarget TEXT, etag TEXT, chunks TEXT, content INTEGER NOT NULL,
+            revision INTEGER NOT NULL DEFAULT 0, syncedRevision INTEGER NOT NULL DEFAULT 0,
+            pinned INTEGER NOT NULL DEFAULT 0, excluded INTEGER NOT NULL DEFAULT 0,
+            lastUsedNs INTEGER NOT NULL DEFAULT 0,
+            UNIQUE(parent, name));
+          CREATE INDEX items_by_name ON items(name);
+          CREATE TABLE xattrs(item INTEGER NOT NULL REFERENCES items(id) ON DELETE CASCADE, name TEXT NOT NULL,
+            value BLOB NOT NULL, PRIMARY KEY(item, name));
+          CREATE TABLE uploadQueue(
+            seq INTEGER PRIMARY KEY AUTOINCREMENT,
+            item INTEGER UNIQUE REFERENCES items(id) ON DELETE CASCADE,
+            deleteItemID TEXT UNIQUE, deleteEtag TEXT,
+            enqueuedNs INTEGER NOT NULL, attempts INTEGER NOT NULL DEFAULT 0,
+            nextAttemptNs INTEGER NOT NULL DEFAULT 0, lastError TEXT, lastErrno INTEGER);
+          CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
+          """)
+    }
+    return m
+  }
+
+  // MARK: - facts
+
+  public func meta(_ key: String) throws -> String? {
+    try pool.read { db in try String.fetchOne(db, sql: "SELECT value FROM meta WHERE key = ?", arguments: [key]) }
+  }
+
+  public func setMeta(_ key: String, _ value: String) throws {
+    try pool.write { db in
+      try db.execute(sql: "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", arguments: [key, value])
+    }
+  }
+
+  /// This device's stable identifier, created on first use.
+  public func deviceID() throws -> String {
+    if let d = try meta("deviceID") { return d }
+    let d = UUID().uuidString.lowercased()
+    try setMeta("deviceID", d)
+    return d
+  }
+
+  /// Creates the root (inode 1) and `Documents/` on a fresh index.
+  public func bootstrap(uid: UInt32, gid: UInt32) throws {
+    try pool.write { db in
+      if try ItemRow.fetchOne(db, key: Self.rootInode) != nil { return }
+      let now = Clock.nowNs()
+      var root = ItemRow(
+        id: Self.rootInode, itemID: WellKnownItem.root, parent: nil, name: "", kind: .directory, mode: 0o755,
+        uid: uid, gid: gid, mtimeNs: now)
+      try root.insert(db)
+      var docs = ItemRow(
+        itemID: WellKnownItem.documents, parent: Self.rootInode, name: "Documents", kind: .directory, mode: 0o755,
+        uid: uid, gid: gid, mtimeNs: now)
+      try docs.insert(db)
+    }
+  }
+
+  // MARK: - reads
+
+  public func item(_ inode: Int64) throws -> ItemRow? {
+    try pool.read { db in try ItemRow.fetchOne(db, key: inode) }
+  }
+
+  public func item(itemID: String) throws -> ItemRow? {
+    try pool.read { db in try ItemRow.filter(Column("itemID") == itemID).fetchOne(db) }
+  }
+
+  public func child(of parent: Int64, named name: String) throws -> ItemRow? {
+    try pool.read { db in
+      try ItemRow.fetchOne(db, sql: "SELECT * FROM items WHERE parent = ? AND name = ?", arguments: [parent, name])
+    }
+  }
+
+  /// Children with inode greater than `after`, in inode order (a stable readdir cursor).
+  public func children(of parent: Int64, after: Int64, limit: Int) throws -> [ItemRow] {
+    try pool.read { db in
+      try ItemRow.fetchAll(
+        db, sql: "SELECT * FROM items WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+        arguments: [parent, after, limit])
+    }
+  }
+
+  public func childCount(of parent: Int64) throws -> Int {
+    try pool.read { db in
+      try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [parent]) ?? 0
+    }
+  }
+
+  /// Path of an item relative to the container root ("Documents/a.txt").
+  public func path(of inode: Int64) throws -> String? {
+    try pool.read { db in try Self.path(db, inode) }
+  }
+
+  static func path(_ db: Database, _ inode: Int64) throws -> String? {
+    var parts: [String] = []
+    var cur: Int64? = inode
+    while let c = cur, c != rootInode {
+      guard let row = try Row.fetchOne(db, sql: "SELECT parent, name FROM items WHERE id = ?", arguments: [c])
+      else { return nil }
+      parts.append(row["name"])
+      cur = row["parent"]
+      if parts.count > 4096 { return nil }
+    }
+    return parts.reversed().joined(separator: "/")
+  }
+
+  /// True if the item or one of its ancestors is excluded from sync (`.nosync` or
+  /// `user.ubiq.excluded`).
+  static func isLocalOnly(_ db: Database, _ inode: Int64) throws -> Bool {
+    var cur: Int64? = inode
+    var depth = 0
+    while let c = cur, c != rootInode, depth < 4096 {
+      guard let row = try Row.fetchOne(db, sql: "SELECT parent, name, excluded FROM items WHERE id = ?", arguments: [c])
+      else { return false }
+      if ItemName.isNoSync(row["name"]) || (row["excluded"] as Bool) { return true }
+      cur = row["parent"]
+      depth += 1
+    }
+    return false
+  }
+
+  public func isLocalOnly(_ inode: Int64) throws -> Bool {
+    try pool.read { db in try Self.isLocalOnly(db, inode) }
+  }
+
+  /// Is `ancestor` the item itself or one of its ancestors?
+  public func isDescendant(_ inode: Int64, of ancestor: Int64) throws -> Bool {
+    try pool.read { db in
+      var cur: Int64? = inode
+      while let c = cur {
+        if c == ancestor { return true }
+        cur = try Int64.fetchOne(db, sql: "SELECT parent FROM items WHERE id = ?", arguments: [c])
+      }
+      return false
+    }
+  }
+
+  // MARK: - namespace changes
+
+  /// Creates an item under `parent`. Throws `.exists`, `.notFound`, `.notDirectory`.
+  public func create(
+    parent: Int64, name: String, kind: ItemKind, mode: UInt32, uid: UInt32, gid: UInt32,
+    symlinkTarget: String? = nil
+  ) throws -> ItemRow {
+    try ItemName.validate(name)
+    return try pool.write { db in
+      guard let p = try ItemRow.fetchOne(db, key: parent) else { throw UbiqError.notFound("parent \(parent)") }
+      guard p.isDirectory else { throw UbiqError.notDirectory(p.name) }
+      if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
+      let now = Clock.nowNs()
+      var row = ItemRow(
+        itemID: UUID().uuidString.lowercased(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,
+        size: Int64(symlinkTarget?.utf8.count ?? 0), mtimeNs: now, symlinkTarget: symlinkTarget)
+      row.revision = 1
+      try row.insert(db)
+      try Self.touchDirectory(db, parent, now)
+      try self.enqueue(db, row.id!)
+      return row
+    }
+  }
+
+  static func childID(_ db: Database, _ parent: Int64, _ name: String) throws -> Int64? {
+    try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE parent = ? AND name = ?", arguments: [parent, name])
+  }
+
+  static func touchDirectory(_ db: Database, _ inode: Int64, _ now: Int64) throws {
+    try db.execute(sql: "UPDATE items SET mtimeNs = ?, ctimeNs = ? WHERE id = ?", arguments: [now, now, inode])
+  }
+
+  /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
+  public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
+    try pool.write { db in
+      guard let id = try Self.childID(db, parent, name), let row = try ItemRow.fetchOne(db, key: id) else {
+        throw UbiqError.notFound(name)
+      }
+      if directory {
+        guard row.isDirectory else { throw UbiqError.notDirectory(name) }
+        if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [id])! > 0 {
+          throw UbiqError.notEmpty(name)
+        }
+        if row.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be removed") }
+      } else if row.isDirectory {
+        throw UbiqError.isDirectory(name)
+      }
+      try self.deleteRow(db, row)
+      try Self.touchDirectory(db, parent, Clock.nowNs())
+      return row
+    }
+  }
+
+  /// Deletes a row and queues the cloud delete if the cloud knows the item.
+  func deleteRow(_ db: Database, _ row: ItemRow) throws {
+    try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [row.id!])
+    if let etag = row.etag { try enqueueDelete(db, itemID: row.itemID, etag: etag) }
+  }
+
+  func enqueueDelete(_ db: Database, itemID: String, etag: String) throws {
+    let now = Clock.nowNs()
+    try db.execute(
+      sql: """
+        INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?, ?)
+        ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = excluded.deleteEtag
+        """, arguments: [itemID, etag, now, now + uploadDelayNs])
+  }
+
+  /// Queues (or re-arms) the upload of an item, unless it is local-only.
+  func enqueue(_ db: Database, _ inode: Int64) throws {
+    if try Self.isLocalOnly(db, inode) { return }
+    let now = Clock.nowNs()
+    try db.execute(
+      sql: """
+        INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
+        ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs
+        """, arguments: [inode, now, now + uploadDelayNs])
+  }
+
+  /// Queues every item of a subtree (used when an item stops being local-only).
+  func enqueueSubtree(_ db: Database, _ inode: Int64) throws {
+    var stack = [inode]
+    while let cur = stack.popLast() {
+      try db.execute(sql: "UPDATE items SET revision = revision + 1 WHERE id = ?", arguments: [cur])
+      try enqueue(db, cur)
+      stack += try Int64.fetchAll(db, sql: "SELECT id FROM items WHERE parent = ?", arguments: [cur])
+    }
+  }
+
+  /// Forgets the cloud identity of a subtree that became local-only, and deletes it in the cloud.
+  func detachSubtree(_ db: Database, _ inode: Int64) throws {
+    var stack = [inode]
+    while let cur = stack.popLast() {
+      if let row = try ItemRow.fetchOne(db, key: cur) {
+        if let etag = row.etag { try enqueueDelete(db, itemID: row.itemID, etag: etag) }
+        try db.execute(
+          sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?",
+          arguments: [UUID().uuidString.lowercased(), cur])
+        try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [cur])
+      }
+      stack += try Int64.fetchAll(db, sql: "SELECT id FROM items WHERE parent = ?", arguments: [cur])
+    }
+  }
+
+  public enum RenameMode: Sendable { case replace, noReplace, exchange }
+
+  /// Result of a rename: the moved item and, if one was replaced, the row that disappeared.
+  public struct RenameResult: Sendable {
+    public var moved: ItemRow
+    public var replaced: ItemRow?
+  }
+
+  /// Renames/moves an item. Replacing a regular file with another keeps the replaced item's
+  /// cloud identity (an editor's atomic save becomes a new version of the same item).
+  public func rename(
+    parent: Int64, name: String, newParent: Int64, newName: String, mode: RenameMode
+  ) throws -> RenameResult {
+    try ItemName.validate(newName)
+    return try pool.write { db in
+      guard let srcID = try Self.childID(db, parent, name), var src = try ItemRow.fetchOne(db, key: srcID) else {
+        throw UbiqError.notFound(name)
+      }
+      guard let np = try ItemRow.fetchOne(db, key: newParent) else { throw UbiqError.notFound("target directory") }
+      guard np.isDirectory else { throw UbiqError.notDirectory(np.name) }
+      if src.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
+      // Moving a directory below itself.
+      if src.isDirectory {
+        var cur: Int64? = newParent
+        while let c = cur {
+          if c == srcID { throw UbiqError.invalidArgument("cannot move a directory into itself") }
+          cur = try Int64.fetchOne(db, sql: "SELECT parent FROM items WHERE id = ?", arguments: [c])
+        }
+      }
+      let now = Clock.nowNs()
+      let wasLocalOnly = try Self.isLocalOnly(db, srcID)
+      let dstID = try Self.childID(db, newParent, newName)
+      var replaced: ItemRow? = nil
+      if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
+      if let dstID, var dst = try ItemRow.fetchOne(db, key: dstID) {
+        switch mode {
+        case .noReplace:
+          throw UbiqError.exists(newName)
+        case .exchange:
+          // Swap the two names through a temporary name (the (parent, name) pair is unique).
+          try db.execute(
+            sql: "UPDATE items SET name = ?, parent = ? WHERE id = ?", arguments: ["\u{1}swap\(srcID)", parent, dstID])
+          try db.execute(
+            sql: "UPDATE items SET name = ?, parent = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+            arguments: [newName, newParent, now, srcID])
+          try db.execute(
+            sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+            arguments: [name, now, dstID])
+          try Self.touchDirectory(db, parent, now)
+          try Self.touchDirectory(db, newParent, now)
+          try self.enqueue(db, srcID)
+          try self.enqueue(db, dstID)
+          dst = try ItemRow.fetchOne(db, key: dstID)!
+          return RenameResult(moved: try ItemRow.fetchOne(db, key: srcID)!, replaced: nil)
+        case .replace:
+          if dst.isDirectory && !src.isDirectory { throw UbiqError.isDirectory(newName) }
+          if !dst.isDirectory && src.isDirectory { throw UbiqError.notDirectory(newName) }
+          if dst.isDirectory {
+            if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [dstID])! > 0 {
+              throw UbiqError.notEmpty(newName)
+            }
+            if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
+          }
+          try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [dstID])
+          replaced = dst
+          if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
+            // Identity transfer: the moved file becomes the next version of the replaced item.
+            if let oldEtag = src.etag { try self.enqueueDelete(db, itemID: src.itemID, etag: oldEtag) }
+            try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [srcID])
+            src.itemID = dst.itemID
+            src.etag = dstEtag
+            src.chunks = dst.chunks
+            src.syncedRevision = 0
+            try db.execute(
+              sql: "UPDATE items SET itemID = ?, etag = ?, chunks = ?, syncedRevision = 0 WHERE id = ?",
+              arguments: [src.itemID, dstEtag, src.chunks, srcID])
+          } else if let dstEtag = dst.etag {
+            try self.enqueueDelete(db, itemID: dst.itemID, etag: dstEtag)
+          }
+        }
+      }
+      try db.execute(
+        sql: "UPDATE items SET parent = ?, name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+        arguments: [newParent, newName, now, srcID])
+      try Self.touchDirectory(db, parent, now)
+      if newParent != parent { try Self.touchDirectory(db, newParent, now) }
+      let nowLocalOnly = try Self.isLocalOnly(db, srcID)
+      if wasLocalOnly && !nowLocalOnly {
+        try self.enqueueSubtree(db, srcID)
+      } else if !wasLocalOnly && nowLocalOnly {
+        try self.detachSubtree(db, srcID)
+      } else {
+        try self.enqueue(db, srcID)
+      }
+      return RenameResult(moved: try ItemRow.fetchOne(db, key: srcID)!, replaced: replaced)
+    }
+  }
+
+  /// Applies setattr changes. Content size changes are the caller's job on the cache file.
+  public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
+    try pool.write { db in
+      guard var row = try ItemRow.fetchOne(db, key: inode) else { throw UbiqError.notFound("inode \(inode)") }
+      let now = Clock.nowNs()
+      if let m = c.mode { row.mode = m & 0o7777 }
+      if let u = c.uid { row.uid = u }
+      if let g = c.gid { row.gid = g }
+      if let s = c.size {
+        row.size = s
+        row.mtimeNs = now
+      }
+      if let a = c.atimeNs { row.atimeNs = a }
+      if let m = c.mtimeNs { row.mtimeNs = m }
+      row.ctimeNs = now
+      if c.syncs { row.revision += 1 }
+      try row.update(db)
+      if c.syncs { try self.enqueue(db, inode) }
+      return row
+    }
+  }
+
+  /// Records new local content (after close/fsync of a written file): size, mtime, and a new
+  /// revision queued for upload.
+  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64) throws {
+    try pool.write { db in
+      try db.execute(
+        sql: """
+          UPDATE items SET size = ?, mtimeNs = ?, ctimeNs = ?, content = ?, revision = revision + 1,
+            lastUsedNs = ? WHERE id = ?
+          """, arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
+      if db.changesCount > 0 { try self.enqueue(db, inode) }
+    }
+  }
+
+  // MARK: - user xattrs
+
+  public func xattr(_ inode: Int64, _ name: String) throws -> Data? {
+    try pool.read { db in
+      try Data.fetchOne(db, sql: "SELECT value FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+    }
+  }
+
+  public func xattrNames(_ inode: Int64) throws -> [String] {
+    try pool.read { db in
+      try String.fetchAll(db, sql: "SELECT name FROM xattrs WHERE item = ? ORDER BY name", arguments: [inode])
+    }
+  }
+
+  public func allXattrs(_ inode: Int64) throws -> [String: Data] {
+    try pool.read { db in
+      var out: [String: Data] = [:]
+      for row in try Row.fetchAll(db, sql: "SELECT name, value FROM xattrs WHERE item = ?", arguments: [inode]) {
+        out[row["name"]] = row["value"]
+      }
+      return out
+    }
+  }
+
+  public enum XattrMode: Sendable { case any, create, replace }
+
+  public func setXattr(_ inode: Int64, _ name: String, _ value: Data, mode: XattrMode) throws {
+    try pool.write { db in
+      let exists =
+        try Bool.fetchOne(db, sql: "SELECT 1 FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+        ?? false
+      if mode == .create && exists { throw UbiqError.exists(name) }
+      if mode == .replace && !exists { throw UbiqError.noData(name) }
+      try db.execute(
+        sql: "INSERT OR REPLACE INTO xattrs(item, name, value) VALUES (?, ?, ?)", arguments: [inode, name, value])
+      try db.execute(
+        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?", arguments: [Clock.nowNs(), inode])
+      try self.enqueue(db, inode)
+    }
+  }
+
+  public func removeXattr(_ inode: Int64, _ name: String) throws {
+    try pool.write { db in
+      try db.execute(sql: "DELETE FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+      if db.changesCount == 0 { throw UbiqError.noData(name) }
+      try db.execute(
+        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?", arguments: [Clock.nowNs(), inode])
+      try self.enqueue(db, inode)
+    }
+  }
+
+  /// Sets or clears the explicit `user.ubiq.excluded` flag.
+  public func setExcluded(_ inode: Int64, _ excluded: Bool) throws {
+    try pool.write { db in
+      let before = try Self.isLocalOnly(db, inode)
+      try db.execute(sql: "UPDATE items SET excluded = ? WHERE id = ?", arguments: [excluded, inode])
+      let after = try Self.isLocalOnly(db, inode)
+      if before && !after { try self.enqueueSubtree(db, inode) }
+      if !before && after { try self.detachSubtree(db, inode) }
+    }
+  }
+
+  public func setPinned(_ inode: Int64, _ pinned: Bool) throws {
+    try pool.write { db in
+      try db.execute(sql: "UPDATE items SET pinned = ? WHERE id = ?", arguments: [pinned, inode])
+    }
+  }
+}

@@ -1,0 +1,136 @@
+import Foundation
+import GRDB
+import UbiqCore
+
+/// Whether an item's content is present in the local cache.
+public enum ContentState: Int, Codable, Sendable {
+  /// Metadata only; content must be downloaded before reading ("dataless").
+  case dataless = 0
+  /// The whole content is in the cache file.
+  case cached = 1
+}
+
+/// One item of the local index. `id` is the inode number the mount reports, stable for the
+/// item's lifetime on this device; `itemID` is its identity in the cloud.
+public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equatable, Sendable {
+  public static let databaseTableName = "items"
+
+  public var id: Int64?
+  public var itemID: String
+  public var parent: Int64?
+  public var name: String
+  public var kind: ItemKind
+  public var mode: UInt32
+  public var uid: UInt32
+  public var gid: UInt32
+  public var size: Int64
+  public var mtimeNs: Int64
+  public var ctimeNs: Int64
+  public var atimeNs: Int64
+  public var symlinkTarget: String?
+  /// Etag of the cloud version this item is based on (nil: never uploaded).
+  public var etag: String?
+  /// Chunk manifest (JSON) of the cloud version `etag` names.
+  public var chunks: String?
+  public var content: ContentState
+  /// Bumped by every local change that must reach the cloud.
+  public var revision: Int64
+  /// The revision the cloud last confirmed.
+  public var syncedRevision: Int64
+  public var pinned: Bool
+  public var excluded: Bool
+  public var lastUsedNs: Int64
+
+  public var inode: UInt64 { UInt64(id ?? 0) }
+  public var isDirectory: Bool { kind == .directory }
+
+  public mutating func didInsert(_ inserted: InsertionSuccess) { id = inserted.rowID }
+
+  public init(
+    id: Int64? = nil, itemID: String, parent: Int64?, name: String, kind: ItemKind, mode: UInt32, uid: UInt32 = 0,
+    gid: UInt32 = 0, size: Int64 = 0, mtimeNs: Int64, symlinkTarget: String? = nil, etag: String? = nil,
+    content: ContentState = .cached
+  ) {
+    self.id = id
+    self.itemID = itemID
+    self.parent = parent
+    self.name = name
+    self.kind = kind
+    self.mode = mode
+    self.uid = uid
+    self.gid = gid
+    self.size = size
+    self.mtimeNs = mtimeNs
+    self.ctimeNs = mtimeNs
+    self.atimeNs = mtimeNs
+    self.symlinkTarget = symlinkTarget
+    self.etag = etag
+    self.chunks = nil
+    self.content = content
+    self.revision = 0
+    self.syncedRevision = 0
+    self.pinned = false
+    self.excluded = false
+    self.lastUsedNs = mtimeNs
+  }
+
+  public var chunkList: [ChunkRef] {
+    guard let chunks, let data = chunks.data(using: .utf8) else { return [] }
+    return (try? JSONDecoder().decode([ChunkRef].self, from: data)) ?? []
+  }
+}
+
+/// A pending upload (or cloud delete) in the durable queue.
+public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
+  public var seq: Int64
+  /// Inode to upload (nil for a delete).
+  public var item: Int64?
+  /// Cloud item to delete (nil for an upload).
+  public var deleteItemID: String?
+  public var deleteEtag: String?
+  public var enqueuedNs: Int64
+  public var attempts: Int
+  public var nextAttemptNs: Int64
+  public var lastError: String?
+  public var lastErrno: Int32?
+}
+
+/// Attribute changes requested through setattr.
+public struct AttributeChanges: Sendable {
+  public var mode: UInt32?
+  public var uid: UInt32?
+  public var gid: UInt32?
+  public var size: Int64?
+  public var atimeNs: Int64?
+  public var mtimeNs: Int64?
+  public init(
+    mode: UInt32? = nil, uid: UInt32? = nil, gid: UInt32? = nil, size: Int64? = nil, atimeNs: Int64? = nil,
+    mtimeNs: Int64? = nil
+  ) {
+    self.mode = mode
+    self.uid = uid
+    self.gid = gid
+    self.size = size
+    self.atimeNs = atimeNs
+    self.mtimeNs = mtimeNs
+  }
+  /// True if the change must be uploaded (permissions, size, mtime); atime and ownership stay local.
+  public var syncs: Bool { mode != nil || size != nil || mtimeNs != nil }
+}
+
+/// A summary of the upload queue for `ubiqfs status`.
+public struct QueueSummary: Sendable, Codable {
+  public var pendingItems: Int
+  public var pendingDeletes: Int
+  public var pendingBytes: Int64
+  public var failing: [FailingUpload]
+}
+
+/// An upload that failed at least once and is waiting for its next attempt.
+public struct FailingUpload: Sendable, Codable {
+  public var path: String
+  public var attempts: Int
+  public var error: String
+  public var errno: Int32
+  public var nextAttemptNs: Int64
+}

@@ -1,0 +1,94 @@
+import Foundation
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The local content cache: one file per inode under `<state>/content/`. Owns the naming and the
+/// creation/removal of those files; the filesystem reads and writes them through file descriptors.
+public final class ContentCache: @unchecked Sendable {
+  public let directory: String
+
+  public init(directory: String) throws {
+    self.directory = directory
+    try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+  }
+
+  public func path(_ inode: Int64) -> String { "\(directory)/\(inode)" }
+
+  /// Opens (creating if asked) the cache file of `inode` read-write.
+  public func open(_ inode: Int64, create: Bool) throws -> Int32 {
+    let fd = Glibc.open(path(inode), O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0o600)
+    if fd < 0 { throw UbiqError.io("cache file for inode \(inode): \(String(cString: strerror(errno)))") }
+    return fd
+  }
+
+  public func exists(_ inode: Int64) -> Bool { access(path(inode), F_OK) == 0 }
+
+  public func remove(_ inode: Int64) { unlink(path(inode)) }
+
+  /// Bytes the cache file really occupies on disk.
+  public func allocatedBytes(_ inode: Int64) -> Int64 {
+    var st = stat()
+    guard stat(path(inode), &st) == 0 else { return 0 }
+    return Int64(st.st_blocks) * 512
+  }
+}
+
+/// Coordinates writers and the uploader for each inode so that an upload always sends a
+/// consistent snapshot: the state of the file as of a close/fsync, never a torn mix.
+/// Writers bump a generation and mark the inode unflushed; flush/fsync clears the mark.
+/// The uploader reads only when nothing is unflushed and discards its read if the generation
+/// moved meanwhile.
+public final class WriteCoordinator: @unchecked Sendable {
+  struct State {
+    var generation: UInt64 = 0
+    /// Open handles with writes not yet closed or fsynced.
+    var dirtyHandles = 0
+  }
+  private var states: [Int64: State] = [:]
+  private let lock = NSLock()
+
+  public init() {}
+
+  /// A write through a handle; `handleWasClean` is true for its first write since its last flush.
+  public func noteWrite(_ inode: Int64, handleWasClean: Bool) {
+    lock.withLock {
+      states[inode, default: State()].generation &+= 1
+      if handleWasClean { states[inode]!.dirtyHandles += 1 }
+    }
+  }
+
+  /// A dirty handle was flushed (close/fsync) and its content recorded in the index.
+  public func noteFlushed(_ inode: Int64) {
+    lock.withLock {
+      if let s = states[inode], s.dirtyHandles > 0 { states[inode]!.dirtyHandles -= 1 }
+    }
+  }
+
+  /// A complete content change outside any handle (truncate).
+  public func noteReplaced(_ inode: Int64) {
+    lock.withLock { states[inode, default: State()].generation &+= 1 }
+  }
+
+  /// Starts a snapshot read; nil while the file has writes not yet closed or fsynced.
+  public func beginSnapshot(_ inode: Int64) -> UInt64? {
+    lock.withLock {
+      let s = states[inode] ?? State()
+      return s.dirtyHandles > 0 ? nil : s.generation
+    }
+  }
+
+  /// True if no write happened since `beginSnapshot` returned `token`.
+  public func isSnapshotIntact(_ inode: Int64, _ token: UInt64) -> Bool {
+    lock.withLock {
+      let s = states[inode] ?? State()
+      return s.dirtyHandles == 0 && s.generation == token
+    }
+  }
+
+  public func forget(_ inode: Int64) {
+    lock.withLock { _ = states.removeValue(forKey: inode) }
+  }
+}

@@ -1,0 +1,199 @@
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Drains the durable upload queue into the cloud: chunks changed files, sends only the chunks
+/// the cloud lacks, commits item versions with If-Match, and deletes. Failures are retried with
+/// exponential backoff forever and shown in status; nothing is dropped.
+public final class UploadWorker: @unchecked Sendable {
+  let index: IndexStore
+  let cache: ContentCache
+  let cloud: CloudService
+  let coordinator: WriteCoordinator
+  let container: ContainerID
+  let deviceID: String
+  let chunker: Chunker
+  let log: Logger
+  private let lock = NSLock()
+  private var kicked = false
+  private var stopped = false
+  private var task: Task<Void, Never>?
+  /// Bytes of chunk data sent to the cloud since start (for tests and status).
+  public private(set) var bytesSent: Int64 = 0
+
+  public init(
+    index: IndexStore, cache: ContentCache, cloud: CloudService, coordinator: WriteCoordinator,
+    container: ContainerID, deviceID: String, chunker: Chunker = .standard, logger: Logger
+  ) {
+    self.index = index
+    self.cache = cache
+    self.cloud = cloud
+    self.coordinator = coordinator
+    self.container = container
+    self.deviceID = deviceID
+    self.chunker = chunker
+    self.log = logger
+  }
+
+  public func start() {
+    task = Task.detached { [self] in await self.run() }
+  }
+
+  /// Stops after the upload in progress (queued work stays in the index for next time).
+  public func stop() async {
+    lock.withLock { stopped = true }
+    await task?.value
+  }
+
+  /// Something was queued: look at the queue soon.
+  public func kick() {
+    lock.withLock { kicked = true }
+  }
+
+  private func takeKick() -> (kicked: Bool, stopped: Bool) {
+    lock.withLock {
+      defer { kicked = false }
+      return (kicked, stopped)
+    }
+  }
+
+  func run() async {
+    var idleSince = Clock.monotonicNs()
+    while true {
+      let (_, stop) = takeKick()
+      if stop { return }
+      var didWork = false
+      do {
+        let due = try index.dueQueue(now: Clock.nowNs(), limit: 64)
+        for entry in due {
+          if takeKick().stopped { return }
+          await process(entry)
+          didWork = true
+        }
+      } catch {
+        log.error("upload queue: \(error)")
+      }
+      if didWork { idleSince = Clock.monotonicNs() }
+      // Sleep in short steps so a kick, a due entry or stop is noticed quickly.
+      let nextDue = (try? index.nextDueNs()) ?? nil
+      var waitedNs: UInt64 = 0
+      let quiet = Clock.monotonicNs() - idleSince > 5_000_000_000
+      while true {
+        let step: UInt64 = quiet ? 100_000_000 : 20_000_000
+        try? await Task.sleep(nanoseconds: step)
+        waitedNs += step
+        let wake = lock.withLock { kicked || stopped }
+        if wake { break }
+        if let nextDue, Clock.nowNs() >= nextDue { break }
+        if waitedNs >= 1_000_000_000 { break }
+      }
+    }
+  }
+
+  func process(_ entry: QueueEntry) async {
+    do {
+      if let inode = entry.item {
+        try await upload(entry, inode)
+      } else if let itemID = entry.deleteItemID {
+        do {
+          _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
+        } catch CloudError.notFound {
+          // Already gone.
+        } catch CloudError.conflict(let current) {
+          // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost);
+          // the next pull brings it back.
+          log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag))")
+        }
+        try index.markDone(seq: entry.seq)
+      }
+    } catch let e as Postpone {
+      try? index.postpone(seq: entry.seq, byNs: e.ns)
+    } catch {
+      let (message, code) = Self.describe(error)
+      log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
+      try? index.markFailed(seq: entry.seq, error: message, errno: code)
+    }
+  }
+
+  struct Postpone: Error { var ns: Int64 }
+
+  static func describe(_ error: Error) -> (String, Int32) {
+    switch error {
+    case let e as CloudError: return (e.description, e.errno)
+    case let e as UbiqError: return (e.description, e.errno)
+    default: return ("\(error)", EIO)
+    }
+  }
+
+  func upload(_ entry: QueueEntry, _ inode: Int64) async throws {
+    guard let snap = try index.uploadSnapshot(inode) else {
+      try index.markDone(seq: entry.seq)
+      return
+    }
+    let row = snap.row
+    var chunks: [ChunkRef] = []
+    var size = row.size
+    if row.kind == .file {
+      if row.content == .cached {
+        (chunks, size) = try await sendContent(inode)
+      } else {
+        chunks = row.chunkList
+      }
+    }
+    let item = CloudItem(
+      itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
+      mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
+      deviceID: deviceID)
+    let result = try await cloud.putItem(container, item, ifMatch: row.etag)
+    try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
+    log.debug("uploaded \(row.name) etag \(result.etag)")
+  }
+
+  /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is
+  /// being written (its snapshot would not be consistent).
+  func sendContent(_ inode: Int64) async throws -> ([ChunkRef], Int64) {
+    guard let token = coordinator.beginSnapshot(inode) else { throw Postpone(ns: 500_000_000) }
+    let fd = try cache.open(inode, create: false)
+    defer { close(fd) }
+    // Pass 1: boundaries and hashes.
+    var refs: [ChunkRef] = []
+    var offsets: [Int64] = []
+    var offset: Int64 = 0
+    try chunker.chunkFile(fd: fd) { ref, _ in
+      refs.append(ref)
+      offsets.append(offset)
+      offset += ref.length
+    }
+    guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
+    // Pass 2: send what is missing, re-reading each chunk and checking it still hashes the same.
+    let missing = try await cloud.missingChunks(refs.map(\.hash))
+    var sent = Set<String>()
+    for (i, ref) in refs.enumerated() where missing.contains(ref.hash) && !sent.contains(ref.hash) {
+      var data = Data(count: Int(ref.length))
+      let ok = data.withUnsafeMutableBytes { raw -> Bool in
+        var done = 0
+        while done < raw.count {
+          let n = pread(fd, raw.baseAddress! + done, raw.count - done, off_t(offsets[i]) + off_t(done))
+          if n < 0 && errno == EINTR { continue }
+          if n <= 0 { return false }
+          done += n
+        }
+        return true
+      }
+      guard ok, Chunker.sha256Hex(data) == ref.hash, coordinator.isSnapshotIntact(inode, token) else {
+        throw Postpone(ns: 200_000_000)
+      }
+      try await cloud.putChunk(hash: ref.hash, data: data)
+      sent.insert(ref.hash)
+      lock.withLock { bytesSent += ref.length }
+    }
+    guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
+    return (refs, offset)
+  }
+}

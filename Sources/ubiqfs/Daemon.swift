@@ -1,0 +1,144 @@
+import CFuse3
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCore
+import UbiqFS
+import UbiqIndex
+import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Everything one mounted container runs: index, content cache, cloud, upload worker and the
+/// FUSE session. Built by `ubiqfs mount --foreground` (directly, or by systemd, or by the
+/// background `ubiqfs mount` which starts it as a detached child).
+final class Daemon {
+  let container: ContainerID
+  let mountpoint: String
+  let paths: Paths
+  let options: MountOptions
+  let uploadDelayMs: Int
+  var log: Logger
+
+  init(container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int) {
+    self.container = container
+    self.mountpoint = mountpoint
+    self.paths = paths
+    self.options = options
+    self.uploadDelayMs = uploadDelayMs
+    log = Logger(label: "ubiqfs")
+    log.logLevel = options.debug ? .debug : .info
+  }
+
+  func run() throws -> Int32 {
+    let account = "local"
+    let dir = paths.containerDir(account: account, container)
+    try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    try checkMountpoint()
+
+    // One daemon per container state folder.
+    let lockFD = open(dir.appendingPathComponent("lock").path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
+    guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
+      let where_ = DaemonRecord.load(dir).map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
+      throw UbiqError.busy("container \(container) is already mounted\(where_)")
+    }
+    defer { close(lockFD) }
+
+    let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
+    index.uploadDelayNs = Int64(uploadDelayMs) * 1_000_000
+    try index.bootstrap(uid: getuid(), gid: getgid())
+    let deviceID = try index.deviceID()
+    let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
+    let cloud = try CloudEngine.embedded(directory: paths.cloudDir, account: account)
+    try runBlocking { try await cloud.ensureContainer(self.container) }
+    try adoptWellKnownEtags(index: index, cloud: cloud)
+
+    let coordinator = WriteCoordinator()
+    let worker = UploadWorker(
+      index: index, cache: cache, cloud: cloud, coordinator: coordinator, container: container, deviceID: deviceID,
+      logger: log)
+    let fs = UbiqFilesystem(
+      index: index, cache: cache, coordinator: coordinator, container: container, options: options, logger: log,
+      onQueued: { worker.kick() })
+    let session = FuseSession(filesystem: fs, mountpoint: mountpoint)
+    try session.mount(fsname: "ubiqfs:\(container.rawValue)")
+    worker.start()
+
+    let record = DaemonRecord(
+      pid: getpid(), mountpoint: mountpoint, container: container.rawValue, account: account, startedAt: Date())
+    let recordURL = dir.appendingPathComponent("daemon.json")
+    try JSONEncoder().encode(record).write(to: recordURL, options: .atomic)
+
+    // SIGTERM / SIGINT / SIGHUP: unmount cleanly; the loop then ends.
+    var sources: [DispatchSourceSignal] = []
+    for sig in [SIGTERM, SIGINT, SIGHUP] {
+      signal(sig, SIG_IGN)
+      let src = DispatchSource.makeSignalSource(signal: sig, queue: .global())
+      src.setEventHandler { [log] in
+        log.info("signal \(sig): unmounting \(self.mountpoint)")
+        session.requestExit()
+      }
+      src.resume()
+      sources.append(src)
+    }
+    notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
+    log.info("mounted \(container) at \(mountpoint) (device \(deviceID))")
+
+    let rc = session.run()
+    notifySystemd("STOPPING=1")
+    log.info("session ended (\(rc)); stopping upload worker")
+    try? runBlocking { await worker.stop() }
+    session.close()
+    try? FileManager.default.removeItem(at: recordURL)
+    sources.forEach { $0.cancel() }
+    log.info("unmounted \(mountpoint)")
+    return 0
+  }
+
+  /// The cloud creates root and Documents; a fresh index adopts their etags.
+  func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
+    for id in [WellKnownItem.root, WellKnownItem.documents] {
+      guard let row = try index.item(itemID: id), row.etag == nil,
+        let remote = try runBlocking({ try await cloud.item(self.container, itemID: id) })
+      else { continue }
+      try index.pool.write { db in
+        try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [remote.etag, row.id!])
+      }
+    }
+  }
+
+  func checkMountpoint() throws {
+    var st = stat()
+    if stat(mountpoint, &st) != 0 {
+      if errno == ENOTCONN {
+        throw UbiqError.busy("\(mountpoint) is a stale mount; run 'ubiqfs unmount \(mountpoint)' first")
+      }
+      throw UbiqError.notFound("mount point \(mountpoint) does not exist")
+    }
+    if st.st_mode & S_IFMT != S_IFDIR { throw UbiqError.notDirectory("mount point \(mountpoint)") }
+    if MountTable.isMounted(mountpoint) { throw UbiqError.busy("\(mountpoint) is already a mount point") }
+  }
+
+  /// Tells systemd (Type=notify) about our state, if it asked.
+  func notifySystemd(_ message: String) {
+    guard let path = ProcessInfo.processInfo.environment["NOTIFY_SOCKET"], !path.isEmpty else { return }
+    let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
+    guard fd >= 0 else { return }
+    defer { close(fd) }
+    var addr = sockaddr_un()
+    addr.sun_family = sa_family_t(AF_UNIX)
+    var bytes = Array(path.utf8)
+    if bytes.first == UInt8(ascii: "@") { bytes[0] = 0 }
+    withUnsafeMutableBytes(of: &addr.sun_path) { raw in
+      for (i, b) in bytes.prefix(raw.count - 1).enumerated() { raw[i] = b }
+    }
+    let len = socklen_t(MemoryLayout<sa_family_t>.size + min(bytes.count, 107))
+    _ = withUnsafePointer(to: &addr) { p in
+      p.withMemoryRebound(to: sockaddr.self, capacity: 1) { sp in
+        message.withCString { m in sendto(fd, m, strlen(m), 0, sp, len) }
+      }
+    }
+  }
+}

@@ -1,0 +1,142 @@
+import ArgumentParser
+import Foundation
+import UbiqCore
+import UbiqFS
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+struct MountCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "mount", abstract: "Mount a container (default iCloud.default) at MOUNTPOINT.")
+
+  @Argument(help: "Container identifier (e.g. iCloud.com.example.notes), then the mount point.")
+  var arguments: [String]
+  @Flag(name: .shortAndLong, help: "Stay in the foreground (for systemd); default is to return once mounted.")
+  var foreground = false
+  @Option(help: "Seconds the kernel may cache names and attributes.")
+  var cacheTimeout: Double = 1.0
+  @Option(help: "Milliseconds an upload waits after the last change (coalesces editor saves).")
+  var uploadDelayMs: Int = 1000
+  @Flag(help: "Verbose logging (and libfuse debug output).")
+  var debug = false
+  @OptionGroup var location: LocationOptions
+
+  func validate() throws {
+    if arguments.isEmpty || arguments.count > 2 {
+      throw ValidationError("usage: ubiqfs mount [CONTAINER] MOUNTPOINT")
+    }
+    if uploadDelayMs < 0 { throw ValidationError("--upload-delay-ms must be >= 0") }
+  }
+
+  func run() throws {
+    try cli {
+      let container = arguments.count == 2 ? try ContainerID(arguments[0]) : ContainerID.defaultContainer
+      let mountpoint = absolutePath(arguments.last!)
+      if foreground {
+        var options = MountOptions()
+        options.attrTimeout = cacheTimeout
+        options.entryTimeout = cacheTimeout
+        options.debug = debug
+        let daemon = Daemon(
+          container: container, mountpoint: mountpoint, paths: location.paths, options: options,
+          uploadDelayMs: uploadDelayMs)
+        let rc = try daemon.run()
+        if rc != 0 { throw ExitCode(rc) }
+      } else {
+        try startInBackground(container: container, mountpoint: mountpoint)
+      }
+    }
+  }
+
+  /// Starts `ubiqfs mount --foreground ...` detached (new session, output to the container's
+  /// daemon.log) and returns once the kernel shows the mount, or fails with the daemon's error.
+  func startInBackground(container: ContainerID, mountpoint: String) throws {
+    let paths = location.paths
+    let dir = paths.containerDir(account: "local", container)
+    try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    let logPath = dir.appendingPathComponent("daemon.log").path
+    var args = [
+      "/proc/self/exe", "mount", "--foreground", container.rawValue, mountpoint,
+      "--state-dir", paths.stateRoot.path, "--cloud-dir", paths.cloudDir.path,
+      "--cache-timeout", String(cacheTimeout), "--upload-delay-ms", String(uploadDelayMs),
+    ]
+    if debug { args.append("--debug") }
+    let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
+    args[0] = exe
+    let startOffset = (try? FileManager.default.attributesOfItem(atPath: logPath)[.size] as? Int) ?? 0
+
+    var fa: posix_spawn_file_actions_t = posix_spawn_file_actions_t()
+    posix_spawn_file_actions_init(&fa)
+    posix_spawn_file_actions_addopen(&fa, 0, "/dev/null", O_RDONLY, 0)
+    posix_spawn_file_actions_addopen(&fa, 1, logPath, O_WRONLY | O_CREAT | O_APPEND, 0o600)
+    posix_spawn_file_actions_adddup2(&fa, 1, 2)
+    var attr = posix_spawnattr_t()
+    posix_spawnattr_init(&attr)
+    posix_spawnattr_setflags(&attr, Int16(0x80))  // POSIX_SPAWN_SETSID
+    var pid: pid_t = 0
+    let cargs = args.map { strdup($0) } + [nil]
+    defer { cargs.forEach { free($0) } }
+    let rc = posix_spawn(&pid, exe, &fa, &attr, cargs, environ)
+    posix_spawn_file_actions_destroy(&fa)
+    posix_spawnattr_destroy(&attr)
+    guard rc == 0 else { throw UbiqError.io("cannot start the daemon: \(String(cString: strerror(rc)))") }
+
+    let deadline = Date().addingTimeInterval(30)
+    while Date() < deadline {
+      if MountTable.isUbiqMount(mountpoint) {
+        print("mounted \(container) at \(mountpoint)")
+        return
+      }
+      var status: Int32 = 0
+      if waitpid(pid, &status, WNOHANG) == pid {
+        let text = (try? String(contentsOfFile: logPath, encoding: .utf8)) ?? ""
+        let tail = String(text.utf8.dropFirst(startOffset)) ?? ""
+        let lastError = tail.split(separator: "\n").last(where: { $0.hasPrefix("ubiqfs:") }).map(String.init)
+        throw UbiqError.io(
+          (lastError.map { String($0.dropFirst("ubiqfs: ".count)) } ?? "the daemon exited") + " (log: \(logPath))")
+      }
+      usleep(20_000)
+    }
+    kill(pid, SIGTERM)
+    throw UbiqError.io("the mount did not appear within 30 s (log: \(logPath))")
+  }
+}
+
+struct UnmountCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "unmount", abstract: "Unmount a ubiqfs mount; queued uploads resume at the next mount.")
+
+  @Argument(help: "The mount point.") var mountpoint: String
+  @Flag(help: "Detach now even if files are open (finishes when they close).") var lazy = false
+  @OptionGroup var location: LocationOptions
+
+  func run() throws {
+    try cli {
+      let mp = absolutePath(mountpoint)
+      guard MountTable.isUbiqMount(mp) else { throw UbiqError.invalidArgument("\(mp) is not a ubiqfs mount") }
+      let daemon = location.paths.allContainerDirs().compactMap(DaemonRecord.load).first { $0.mountpoint == mp }
+      let p = Process()
+      p.executableURL = URL(fileURLWithPath: "/bin/fusermount3")
+      p.arguments = ["-u"] + (lazy ? ["-z"] : []) + [mp]
+      let errPipe = Pipe()
+      p.standardError = errPipe
+      try p.run()
+      p.waitUntilExit()
+      if p.terminationStatus != 0 {
+        let msg = String(decoding: errPipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+        if msg.contains("busy") {
+          throw UbiqError.busy("\(mp) is in use (open files or a shell inside it); close them or use --lazy")
+        }
+        throw UbiqError.io(msg.trimmingCharacters(in: .whitespacesAndNewlines))
+      }
+      // Wait for the daemon to finish (it stops its upload worker and closes the index).
+      if let d = daemon, !lazy {
+        let deadline = Date().addingTimeInterval(30)
+        while d.isAlive && Date() < deadline { usleep(20_000) }
+      }
+      print("unmounted \(mp)")
+    }
+  }
+}

@@ -1,0 +1,133 @@
+import Foundation
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Where ubiqfs keeps its files on this machine: the state root (per-account, per-container
+/// index and content cache) and the embedded cloud's folder.
+struct Paths {
+  let stateRoot: URL
+  let cloudDir: URL
+
+  init(stateDir: String?, cloudDir cloudOverride: String?) {
+    let env = ProcessInfo.processInfo.environment
+    let root: String
+    if let s = stateDir ?? env["UBIQFS_STATE_DIR"] {
+      root = s
+    } else if let x = env["XDG_DATA_HOME"], !x.isEmpty {
+      root = x + "/ubiqfs"
+    } else {
+      root = NSHomeDirectory() + "/.local/share/ubiqfs"
+    }
+    stateRoot = URL(fileURLWithPath: absolutePath(root))
+    self.cloudDir = URL(fileURLWithPath: absolutePath(cloudOverride ?? env["UBIQFS_CLOUD_DIR"] ?? (root + "/cloud")))
+  }
+
+  func containerDir(account: String, _ c: ContainerID) -> URL {
+    stateRoot.appendingPathComponent("accounts").appendingPathComponent(account).appendingPathComponent(c.rawValue)
+  }
+
+  /// Every container state folder that exists.
+  func allContainerDirs() -> [URL] {
+    let fm = FileManager.default
+    let accounts = stateRoot.appendingPathComponent("accounts")
+    var out: [URL] = []
+    for a in (try? fm.contentsOfDirectory(atPath: accounts.path)) ?? [] {
+      for c in (try? fm.contentsOfDirectory(atPath: accounts.appendingPathComponent(a).path)) ?? [] {
+        out.append(accounts.appendingPathComponent(a).appendingPathComponent(c))
+      }
+    }
+    return out.sorted { $0.path < $1.path }
+  }
+}
+
+/// The running daemon of a container, as recorded in `daemon.json` in its state folder.
+struct DaemonRecord: Codable {
+  var pid: Int32
+  var mountpoint: String
+  var container: String
+  var account: String
+  var startedAt: Date
+
+  static func load(_ dir: URL) -> DaemonRecord? {
+    guard let d = try? Data(contentsOf: dir.appendingPathComponent("daemon.json")) else { return nil }
+    return try? JSONDecoder().decode(DaemonRecord.self, from: d)
+  }
+
+  var isAlive: Bool { kill(pid, 0) == 0 || errno == EPERM }
+}
+
+func absolutePath(_ p: String) -> String {
+  let url = p.hasPrefix("/") ? URL(fileURLWithPath: p) : URL(fileURLWithPath: FileManager.default.currentDirectoryPath).appendingPathComponent(p)
+  return url.standardizedFileURL.path
+}
+
+/// Mount table entries (from /proc/self/mountinfo).
+enum MountTable {
+  struct Entry {
+    var mountpoint: String
+    var fstype: String
+  }
+
+  static func entries() -> [Entry] {
+    guard let text = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return [] }
+    return text.split(separator: "\n").compactMap { line in
+      let parts = line.split(separator: " ")
+      guard let dash = parts.firstIndex(of: "-"), parts.count > dash + 1, parts.count > 4 else { return nil }
+      return Entry(mountpoint: unescape(String(parts[4])), fstype: String(parts[dash + 1]))
+    }
+  }
+
+  static func unescape(_ s: String) -> String {
+    var out = ""
+    var it = s.makeIterator()
+    while let c = it.next() {
+      if c == "\\" {
+        var digits = ""
+        for _ in 0..<3 { if let d = it.next() { digits.append(d) } }
+        if let v = UInt8(digits, radix: 8) { out.append(Character(UnicodeScalar(v))) } else { out += "\\" + digits }
+      } else {
+        out.append(c)
+      }
+    }
+    return out
+  }
+
+  static func isUbiqMount(_ path: String) -> Bool {
+    entries().contains { $0.mountpoint == path && $0.fstype == "fuse.ubiqfs" }
+  }
+
+  static func isMounted(_ path: String) -> Bool { entries().contains { $0.mountpoint == path } }
+}
+
+/// Writes a message to standard error.
+func eprint(_ s: String) {
+  FileHandle.standardError.write(Data((s + "\n").utf8))
+}
+
+/// Human-readable byte counts.
+func formatBytes(_ n: Int64) -> String {
+  let units = ["B", "KiB", "MiB", "GiB", "TiB"]
+  var v = Double(n)
+  var i = 0
+  while v >= 1024 && i < units.count - 1 {
+    v /= 1024
+    i += 1
+  }
+  return i == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[i])
+}
+
+/// Runs async work from synchronous code on a thread that is not part of Swift's cooperative
+/// pool (the main thread or a FUSE thread).
+func runBlocking<T>(_ body: @escaping @Sendable () async throws -> T) throws -> T {
+  let sem = DispatchSemaphore(value: 0)
+  nonisolated(unsafe) var result: Result<T, Error>!
+  Task.detached {
+    do { result = .success(try await body()) } catch { result = .failure(error) }
+    sem.signal()
+  }
+  sem.wait()
+  return try result.get()
+}

@@ -1,0 +1,166 @@
+import ArgumentParser
+import Foundation
+import UbiqCore
+import UbiqIndex
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// A container's state folder with its daemon record (if mounted) and its index.
+struct ContainerState {
+  let dir: URL
+  let daemon: DaemonRecord?
+  let container: String
+  let account: String
+
+  static func all(_ paths: Paths) -> [ContainerState] {
+    paths.allContainerDirs().compactMap { dir in
+      guard FileManager.default.fileExists(atPath: dir.appendingPathComponent("index.sqlite").path) else { return nil }
+      let d = DaemonRecord.load(dir).flatMap { $0.isAlive ? $0 : nil }
+      return ContainerState(
+        dir: dir, daemon: d, container: dir.lastPathComponent, account: dir.deletingLastPathComponent().lastPathComponent)
+    }
+  }
+
+  func openIndex(readOnly: Bool = true) throws -> IndexStore {
+    try IndexStore(path: dir.appendingPathComponent("index.sqlite").path, readOnly: readOnly)
+  }
+
+  /// The mounted container holding `path`, and the path's inode in it.
+  static func locate(_ path: String, _ paths: Paths) throws -> (ContainerState, Int64) {
+    let abs = absolutePath(path)
+    let mounted = all(paths).filter { $0.daemon != nil }
+    guard
+      let state = mounted.filter({ abs == $0.daemon!.mountpoint || abs.hasPrefix($0.daemon!.mountpoint + "/") })
+        .max(by: { $0.daemon!.mountpoint.count < $1.daemon!.mountpoint.count })
+    else { throw UbiqError.invalidArgument("\(abs) is not inside a ubiqfs mount") }
+    var st = stat()
+    guard lstat(abs, &st) == 0 else { throw UbiqError.notFound(abs) }
+    return (state, Int64(st.st_ino))
+  }
+}
+
+struct StatusCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "status", abstract: "Show mounts, pending uploads and upload errors.")
+
+  @Argument(help: "Only the mount holding this path.") var path: String?
+  @Flag(help: "Machine-readable output.") var json = false
+  @OptionGroup var location: LocationOptions
+
+  struct Report: Codable {
+    var container: String
+    var account: String
+    var mountpoint: String?
+    var pid: Int32?
+    var queue: QueueSummary
+  }
+
+  func run() throws {
+    try cli {
+      var states = ContainerState.all(location.paths)
+      if let path {
+        let (s, _) = try ContainerState.locate(path, location.paths)
+        states = [s]
+      }
+      var reports: [Report] = []
+      for s in states {
+        let summary = try s.openIndex().queueSummary()
+        reports.append(
+          Report(
+            container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
+            queue: summary))
+      }
+      if json {
+        let enc = JSONEncoder()
+        enc.outputFormatting = [.prettyPrinted, .sortedKeys]
+        print(String(decoding: try enc.encode(reports), as: UTF8.self))
+        return
+      }
+      if reports.isEmpty { print("no containers (nothing mounted yet)") }
+      let now = Clock.nowNs()
+      for r in reports {
+        let where_ = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? "not mounted"
+        print("\(r.container) [account \(r.account)]: \(where_)")
+        let q = r.queue
+        if q.pendingItems == 0 && q.pendingDeletes == 0 {
+          print("  all changes uploaded")
+        } else {
+          print("  pending: \(q.pendingItems) uploads (\(formatBytes(q.pendingBytes))), \(q.pendingDeletes) deletes")
+        }
+        for f in q.failing {
+          let wait = max(0, (f.nextAttemptNs - now) / 1_000_000_000)
+          print("  error: \(f.path): \(f.error) (attempt \(f.attempts), retry in \(wait)s)")
+        }
+      }
+    }
+  }
+}
+
+struct SyncCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.")
+
+  @Flag(help: "Block until everything under PATH is uploaded.") var wait = false
+  @Argument(help: "A path inside a mount (default: every mounted container).") var path: String?
+  @Option(help: "Give up after this many seconds (exit 1).") var timeout: Double?
+  @OptionGroup var location: LocationOptions
+
+  func run() throws {
+    try cli {
+      var targets: [(ContainerState, Int64)] = []
+      if let path {
+        targets = [try ContainerState.locate(path, location.paths)]
+      } else {
+        targets = ContainerState.all(location.paths).filter { $0.daemon != nil }.map { ($0, IndexStore.rootInode) }
+      }
+      if targets.isEmpty { throw UbiqError.invalidArgument("nothing is mounted") }
+      // Make waiting entries due now.
+      for (s, _) in targets { try s.openIndex(readOnly: false).retryAllNow() }
+      guard wait else { return }
+      let deadline = timeout.map { Date().addingTimeInterval($0) }
+      var reported = Set<String>()
+      while true {
+        var pending = 0
+        for (s, inode) in targets {
+          let index = try s.openIndex()
+          pending += try index.pendingCount(under: inode)
+          for f in try index.queueSummary().failing where !reported.contains(f.path + f.error) {
+            reported.insert(f.path + f.error)
+            eprint("ubiqfs: still trying: \(f.path): \(f.error)")
+          }
+        }
+        if pending == 0 { return }
+        if let deadline, Date() > deadline {
+          throw UbiqError.busy("timed out with \(pending) uploads pending (see 'ubiqfs status')")
+        }
+        usleep(50_000)
+      }
+    }
+  }
+}
+
+struct FindCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "find", abstract: "Find items by name (glob) in the index; works on evicted items, offline.")
+
+  @Argument(help: "Name pattern, e.g. '*.txt'.") var pattern: String
+  @Option(help: "Container identifier (default: every container).") var container: String?
+  @Option(help: "At most this many results.") var limit: Int = 1000
+  @OptionGroup var location: LocationOptions
+
+  func run() throws {
+    try cli {
+      if let container { _ = try ContainerID(container) }
+      var found = 0
+      for s in ContainerState.all(location.paths) where container == nil || s.container == container {
+        for (p, _) in try s.openIndex().find(glob: pattern, limit: limit) {
+          if let mp = s.daemon?.mountpoint { print(mp + "/" + p) } else { print("\(s.container):\(p)") }
+          found += 1
+        }
+      }
+      if found == 0 { throw ExitCode(1) }
+    }
+  }
+}

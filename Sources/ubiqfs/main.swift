@@ -1,0 +1,40 @@
+import ArgumentParser
+import Foundation
+import UbiqCore
+
+/// `ubiqfs`: iCloud-style ubiquity containers for Linux.
+struct Ubiqfs: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "ubiqfs",
+    abstract: "iCloud-style ubiquity containers for Linux.",
+    subcommands: [MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self])
+}
+
+/// Options every command that touches local state shares.
+struct LocationOptions: ParsableArguments {
+  @Option(help: "Folder for local state (index, content cache). Default: $UBIQFS_STATE_DIR or ~/.local/share/ubiqfs.")
+  var stateDir: String?
+  @Option(help: "Folder of the embedded cloud. Default: $UBIQFS_CLOUD_DIR or <state dir>/cloud.")
+  var cloudDir: String?
+
+  var paths: Paths { Paths(stateDir: stateDir, cloudDir: cloudDir) }
+}
+
+/// Runs a command body, turning typed errors into a one-line message and exit code 1.
+func cli(_ body: () throws -> Void) throws {
+  do {
+    try body()
+  } catch let e as UbiqError {
+    eprint("ubiqfs: \(e.description)")
+    throw ExitCode.failure
+  } catch let e as ExitCode {
+    throw e
+  } catch let e as ValidationError {
+    throw e
+  } catch {
+    eprint("ubiqfs: \(error)")
+    throw ExitCode.failure
+  }
+}
+
+Ubiqfs.main()
