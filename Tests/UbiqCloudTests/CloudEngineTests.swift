@@ -1,0 +1,85 @@
+import Foundation
+import XCTest
+
+@testable import UbiqCloud
+@testable import UbiqCore
+
+final class CloudEngineTests: XCTestCase {
+  var dir: URL!
+  let container = try! ContainerID("iCloud.com.example.tests")
+
+  override func setUp() {
+    dir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("cloud-\(UUID().uuidString)")
+  }
+  override func tearDown() { try? FileManager.default.removeItem(at: dir) }
+
+  func file(_ id: String, _ data: Data, parent: String = WellKnownItem.documents) -> CloudItem {
+    CloudItem(
+      itemID: id, parentID: parent, name: "\(id).txt", kind: .file, mode: 0o644, size: Int64(data.count), mtimeNs: 1,
+      chunks: data.isEmpty ? [] : [ChunkRef(hash: Chunker.sha256Hex(data), length: Int64(data.count))])
+  }
+
+  func testEtagsAndIfMatch() async throws {
+    let cloud = try CloudEngine.embedded(directory: dir)
+    try await cloud.ensureContainer(container)
+    let data = Data("v1".utf8)
+    try await cloud.putChunk(hash: Chunker.sha256Hex(data), data: data)
+    let v1 = try await cloud.putItem(container, file("a", data), ifMatch: nil)
+    // Creating it again without an etag is a conflict carrying the server's record.
+    do {
+      _ = try await cloud.putItem(container, file("a", data), ifMatch: nil)
+      XCTFail("expected conflict")
+    } catch CloudError.conflict(let current) { XCTAssertEqual(current.etag, v1.etag) }
+    let v2 = try await cloud.putItem(container, file("a", data), ifMatch: v1.etag)
+    XCTAssertNotEqual(v1.etag, v2.etag)
+    do {
+      _ = try await cloud.putItem(container, file("a", data), ifMatch: v1.etag)
+      XCTFail("expected conflict on stale etag")
+    } catch CloudError.conflict(let current) { XCTAssertEqual(current.etag, v2.etag) }
+    let feed = try await cloud.changes(container, since: 0, limit: 100)
+    XCTAssertEqual(feed.items.map(\.itemID), [WellKnownItem.root, WellKnownItem.documents, "a"])
+    let del = try await cloud.deleteItem(container, itemID: "a", ifMatch: v2.etag, deviceID: "t")
+    XCTAssertTrue(del.deleted)
+    let after = try await cloud.changes(container, since: feed.token, limit: 100)
+    XCTAssertEqual(after.items.map(\.deleted), [true])
+  }
+
+  func testChunksAreVerifiedAndRequired() async throws {
+    let cloud = try CloudEngine.embedded(directory: dir)
+    try await cloud.ensureContainer(container)
+    let data = Data("payload".utf8)
+    do {
+      try await cloud.putChunk(hash: Chunker.sha256Hex(Data("other".utf8)), data: data)
+      XCTFail("expected hash mismatch")
+    } catch CloudError.hashMismatch {}
+    do {
+      _ = try await cloud.putItem(container, file("b", data), ifMatch: nil)
+      XCTFail("expected missing chunks")
+    } catch CloudError.missingChunks(let missing) { XCTAssertEqual(missing, [Chunker.sha256Hex(data)]) }
+    let missing = try await cloud.missingChunks([Chunker.sha256Hex(data)])
+    XCTAssertEqual(missing, [Chunker.sha256Hex(data)])
+  }
+
+  func testQuotaAndAccountIsolation() async throws {
+    let alice = try CloudEngine.embedded(directory: dir, account: "alice")
+    let bob = try CloudEngine.embedded(directory: dir, account: "bob")
+    try alice.setQuota(bytes: 10)
+    let small = Data("12345".utf8)
+    try await alice.putChunk(hash: Chunker.sha256Hex(small), data: small)
+    let big = Data("1234567890".utf8)
+    do {
+      try await alice.putChunk(hash: Chunker.sha256Hex(big), data: big)
+      XCTFail("expected quota error")
+    } catch CloudError.quotaExceeded(let u) {
+      XCTAssertEqual(u.usedBytes, 5)
+      XCTAssertEqual(CloudError.quotaExceeded(u).errno, EDQUOT)
+    }
+    // Bob cannot read Alice's chunk by guessing its hash.
+    do {
+      _ = try await bob.getChunk(hash: Chunker.sha256Hex(small), range: nil)
+      XCTFail("expected not found")
+    } catch CloudError.notFound {}
+    let got = try await alice.getChunk(hash: Chunker.sha256Hex(small), range: 1..<3)
+    XCTAssertEqual(got, Data("23".utf8))
+  }
+}

@@ -1,0 +1,78 @@
+import Foundation
+import XCTest
+
+@testable import UbiqCore
+
+final class ChunkerTests: XCTestCase {
+  func randomData(_ n: Int, seed: UInt64) -> Data {
+    var s = seed
+    var d = Data(count: n)
+    d.withUnsafeMutableBytes { raw in
+      let p = raw.bindMemory(to: UInt64.self)
+      for i in 0..<p.count {
+        s &+= 0x9E37_79B9_7F4A_7C15
+        var z = s
+        z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+        p[i] = z ^ (z >> 27)
+      }
+    }
+    return d
+  }
+
+  func chunks(_ data: Data, _ c: Chunker = .standard) throws -> [ChunkRef] {
+    let path = NSTemporaryDirectory() + "chunk-\(UUID().uuidString)"
+    try data.write(to: URL(fileURLWithPath: path))
+    defer { unlink(path) }
+    let fd = open(path, O_RDONLY)
+    defer { close(fd) }
+    var out: [ChunkRef] = []
+    try c.chunkFile(fd: fd) { ref, bytes in
+      XCTAssertEqual(Int64(bytes.count), ref.length)
+      XCTAssertEqual(Chunker.sha256Hex(bytes), ref.hash)
+      out.append(ref)
+    }
+    return out
+  }
+
+  func testChunksCoverFileWithinBounds() throws {
+    let data = randomData(24 << 20, seed: 1)
+    let refs = try chunks(data)
+    XCTAssertEqual(refs.reduce(0) { $0 + $1.length }, Int64(data.count))
+    for r in refs.dropLast() {
+      XCTAssertGreaterThanOrEqual(r.length, Int64(Chunker.standard.minSize))
+      XCTAssertLessThanOrEqual(r.length, Int64(Chunker.standard.maxSize))
+    }
+    XCTAssertGreaterThan(refs.count, 8)
+  }
+
+  func testEmptyAndSmallFiles() throws {
+    XCTAssertEqual(try chunks(Data()).count, 0)
+    let small = Data("hello".utf8)
+    let refs = try chunks(small)
+    XCTAssertEqual(refs, [ChunkRef(hash: Chunker.sha256Hex(small), length: 5)])
+    XCTAssertEqual(refs[0].hash, "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824")
+  }
+
+  func testInsertionChangesOnlyNearbyChunks() throws {
+    let base = randomData(32 << 20, seed: 7)
+    var edited = base
+    edited.insert(contentsOf: Data(repeating: 0xAB, count: 1000), at: 16 << 20)
+    let a = Set(try chunks(base).map(\.hash))
+    let b = try chunks(edited)
+    let changed = b.filter { !a.contains($0.hash) }.reduce(Int64(0)) { $0 + $1.length }
+    XCTAssertLessThan(changed, 10 << 20, "an insertion should re-chunk only its neighbourhood")
+  }
+
+  func testNames() {
+    XCTAssertThrowsError(try ItemName.validate("a/b"))
+    XCTAssertThrowsError(try ItemName.validate(".."))
+    XCTAssertThrowsError(try ItemName.validate(String(repeating: "x", count: 256))) { e in
+      XCTAssertEqual((e as? UbiqError)?.errno, ENAMETOOLONG)
+    }
+    XCTAssertNoThrow(try ItemName.validate(String(repeating: "x", count: 255)))
+    XCTAssertEqual(ItemName.numbered("notes.txt", 2), "notes 2.txt")
+    XCTAssertEqual(ItemName.numbered("README", 3), "README 3")
+    XCTAssertThrowsError(try ContainerID("bad/id"))
+    XCTAssertNoThrow(try ContainerID("iCloud.com.example.notes"))
+  }
+}
