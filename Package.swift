@@ -35,13 +35,13 @@ let package = Package(
     .target(
       name: "UbiqFS",
       dependencies: [
-        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqSync",
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync",
         .product(name: "Logging", package: "swift-log"),
       ]),
     .executableTarget(
       name: "ubiqfs",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS",
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),

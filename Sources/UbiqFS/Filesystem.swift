@@ -1,6 +1,7 @@
 import CFuse3
 import Foundation
 import Logging
+import UbiqCloud
 import UbiqCore
 import UbiqIndex
 import UbiqSync
@@ -30,6 +31,11 @@ public final class UbiqFilesystem: @unchecked Sendable {
   let options: MountOptions
   let log: Logger
   let handles = HandleTable()
+  /// Fetches evicted content; nil means content can never be downloaded.
+  public var downloader: Downloader?
+  /// Set by the session: tells the kernel to forget cached attributes/pages of an inode and
+  /// cached (parent, name) entries.
+  var invalidate: (_ inode: Int64?, _ entries: [(Int64, String)]) -> Void = { _, _ in }
   /// Called after something was queued for upload.
   var onQueued: () -> Void = {}
   /// Computes the virtual `user.ubiq.*` attributes.
@@ -199,9 +205,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
         let row = try requireRow(ino)
         if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
         if row.kind != .file { throw UbiqError.invalidArgument("not a regular file") }
-        if row.content == .dataless && a.st_size != 0 {
-          throw UbiqError.io("content of \(row.name) is not downloaded")
-        }
+        if row.content == .dataless && a.st_size != 0 { try ensureContent(row) }
         let size = Int64(a.st_size)
         let handle = fi.flatMap { handles.get($0.pointee.fh) }
         let fd = try handle?.fd ?? cache.open(inode, create: true)
@@ -399,9 +403,14 @@ public final class UbiqFilesystem: @unchecked Sendable {
       if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
       let flags = fi?.pointee.flags ?? 0
       let writable = flags & O_ACCMODE != O_RDONLY
-      try ensureContent(row)
-      let fd = try cache.open(row.id!, create: false)
-      let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: writable))
+      let inode = row.id!
+      let fd = try coordinator.withInodeLock(inode) { () throws -> Int32 in
+        try ensureContent(try requireRow(ino))
+        let fd = try cache.open(inode, create: false)
+        if writable { coordinator.noteWriterOpened(inode) }
+        return fd
+      }
+      let h = handles.add(OpenFile(inode: inode, fd: fd, writable: writable))
       if let fi {
         fi.pointee.fh = h
         // Local writes go through the kernel's page cache, so cached pages stay valid.
@@ -421,7 +430,15 @@ public final class UbiqFilesystem: @unchecked Sendable {
       if !cache.exists(row.id!) { close(try cache.open(row.id!, create: true)) }
       return
     }
-    throw UbiqError.io("content of \(row.name) is not downloaded and downloading is not available")
+    guard let downloader else { throw UbiqError.io("content of \(row.name) is not downloaded") }
+    do {
+      try downloader.ensureCached(row.id!)
+    } catch let e as UbiqError {
+      throw e
+    } catch let e as CloudError {
+      log.warning("download of \(row.name) failed: \(e)")
+      throw UbiqError.io("download of \(row.name) failed: \(e)")
+    }
   }
 
   func create(
@@ -432,6 +449,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
       let row = try makeItem(req, parent, namePtr, kind: .file, mode: mode)
       let fd = try cache.open(row.id!, create: true)
       _ = ftruncate(fd, 0)
+      coordinator.noteWriterOpened(row.id!)
       let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: true))
       if let fi {
         fi.pointee.fh = h
@@ -502,6 +520,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
     guard let fi, let (f, last, unlinked) = handles.remove(fi.pointee.fh) else { return fail(req, 0) }
     do { try persist(f) } catch { log.error("release: \(error)") }
     close(f.fd)
+    if f.writable { coordinator.noteWriterClosed(f.inode) }
     if last && unlinked {
       cache.remove(f.inode)
       coordinator.forget(f.inode)
@@ -527,5 +546,41 @@ public final class UbiqFilesystem: @unchecked Sendable {
     if statvfs(cache.directory, &sv) != 0 { return fail(req, errno) }
     sv.f_namemax = UInt(ItemName.maxBytes)
     _ = fuse_reply_statfs(req, &sv)
+  }
+}
+
+extension UbiqFilesystem {
+  /// Drops replaced or deleted local content and tells the kernel what changed remotely.
+  public func remoteChangesApplied(_ results: [RemoteApplyResult]) {
+    for r in results {
+      guard let inode = r.inode else { continue }
+      switch r.outcome {
+      case .deleted:
+        if handles.liveState(inode) == nil {
+          cache.remove(inode)
+          coordinator.forget(inode)
+        }
+      case .updated(let contentChanged) where contentChanged:
+        // Open readers keep the old bytes through their descriptor; the next open downloads.
+        cache.remove(inode)
+      default: break
+      }
+      invalidate(inode, r.staleEntries)
+    }
+  }
+
+  /// Evicts a file's local content if it is uploaded, not pinned and not open.
+  func evict(_ row: ItemRow) throws {
+    guard row.kind == .file else { return }
+    let inode = row.id!
+    try coordinator.withInodeLock(inode) {
+      if handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
+      if row.pinned { throw UbiqError.busy("\(row.name) is pinned") }
+      guard try index.markEvicted(inode) else {
+        throw UbiqError.busy("\(row.name) has changes not yet uploaded")
+      }
+      if row.size > 0 { cache.remove(inode) }
+    }
+    invalidate(inode, [])
   }
 }

@@ -37,6 +37,17 @@ public final class FuseSession: @unchecked Sendable {
       throw UbiqError.io("cannot mount at \(mountpoint) (is /dev/fuse available and the directory empty?)")
     }
     session = se
+    fs.invalidate = { [weak self] inode, entries in self?.invalidate(inode, entries) }
+  }
+
+  /// Tells the kernel to forget what it cached about `inode` and the given directory entries.
+  /// Called from sync threads, never from inside a request handler.
+  func invalidate(_ inode: Int64?, _ entries: [(Int64, String)]) {
+    guard let se = lock.withLock({ unmounted ? nil : session }) else { return }
+    for (parent, name) in entries {
+      _ = name.withCString { fuse_lowlevel_notify_inval_entry(se, fuse_ino_t(parent), $0, strlen($0)) }
+    }
+    if let inode { _ = fuse_lowlevel_notify_inval_inode(se, fuse_ino_t(inode), 0, 0) }
   }
 
   /// Runs the request loop on the calling thread until unmounted.

@@ -29,9 +29,9 @@ struct XattrSurface {
     case "status":
       if row.kind == .file && row.content == .dataless { return "not_downloaded" }
       return "current"
-    case "downloading": return "0"
+    case "downloading": return fs.downloader?.isDownloading(row.id!) == true ? "1" : "0"
     case "percent_downloaded": return row.kind == .file && row.content == .dataless ? "0" : "100"
-    case "download_error": return nil
+    case "download_error": return row.content == .dataless ? fs.downloader?.lastError(row.id!) : nil
     case "uploading": return entry != nil ? "1" : "0"
     case "uploaded": return uploaded ? "1" : "0"
     case "percent_uploaded": return uploaded ? "100" : "0"
@@ -96,7 +96,10 @@ struct XattrSurface {
       let text = String(decoding: value, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
       switch key {
       case "pinned":
-        try fs.index.setPinned(row.id!, try Self.bool(text, name))
+        let pin = try Self.bool(text, name)
+        try fs.index.setPinned(row.id!, pin)
+        // Pinned content is downloaded and kept.
+        if pin && row.kind == .file { try fs.ensureContent(row) }
       case "excluded":
         try fs.index.setExcluded(row.id!, try Self.bool(text, name))
         fs.onQueued()
@@ -141,7 +144,7 @@ extension UbiqFilesystem {
     case "download":
       if row.kind == .file { try ensureContent(row) }
     case "evict":
-      throw UbiqError.notSupported("eviction is not available yet")
+      try evict(row)
     default:
       throw UbiqError.invalidArgument("user.ubiq.action takes 'download' or 'evict', not '\(action)'")
     }

@@ -46,6 +46,23 @@ public final class WriteCoordinator: @unchecked Sendable {
     var generation: UInt64 = 0
     /// Open handles with writes not yet closed or fsynced.
     var dirtyHandles = 0
+    /// Open handles that may write.
+    var writers = 0
+  }
+  private let stripes = (0..<64).map { _ in NSLock() }
+
+  /// Serializes opening a file against replacing its content with a remote version.
+  public func withInodeLock<T>(_ inode: Int64, _ body: () throws -> T) rethrows -> T {
+    try stripes[Int(UInt64(bitPattern: inode) % 64)].withLock(body)
+  }
+
+  public func noteWriterOpened(_ inode: Int64) { lock.withLock { states[inode, default: State()].writers += 1 } }
+  public func noteWriterClosed(_ inode: Int64) {
+    lock.withLock { if let s = states[inode], s.writers > 0 { states[inode]!.writers -= 1 } }
+  }
+  /// True while a handle that may write is open, or writes are unflushed.
+  public func isBusy(_ inode: Int64) -> Bool {
+    lock.withLock { (states[inode]?.writers ?? 0) > 0 || (states[inode]?.dirtyHandles ?? 0) > 0 }
   }
   private var states: [Int64: State] = [:]
   private let lock = NSLock()
@@ -89,6 +106,6 @@ public final class WriteCoordinator: @unchecked Sendable {
   }
 
   public func forget(_ inode: Int64) {
-    lock.withLock { _ = states.removeValue(forKey: inode) }
+    lock.withLock { if states[inode]?.writers ?? 0 == 0 { states.removeValue(forKey: inode) } }
   }
 }

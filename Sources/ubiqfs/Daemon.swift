@@ -20,9 +20,14 @@ final class Daemon {
   let paths: Paths
   let options: MountOptions
   let uploadDelayMs: Int
+  let pullIntervalMs: Int
   var log: Logger
 
-  init(container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int) {
+  init(
+    container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int,
+    pullIntervalMs: Int
+  ) {
+    self.pullIntervalMs = pullIntervalMs
     self.container = container
     self.mountpoint = mountpoint
     self.paths = paths
@@ -62,9 +67,17 @@ final class Daemon {
     let fs = UbiqFilesystem(
       index: index, cache: cache, coordinator: coordinator, container: container, options: options, logger: log,
       onQueued: { worker.kick() })
+    fs.downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    let puller = ChangePuller(
+      index: index, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(), gid: getgid(),
+      logger: log)
+    // Initial sync: the tree is complete before the kernel sees it.
+    do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
+    puller.onApplied = { fs.remoteChangesApplied($0) }
     let session = FuseSession(filesystem: fs, mountpoint: mountpoint)
     try session.mount(fsname: "ubiqfs:\(container.rawValue)")
     worker.start()
+    puller.start(intervalNs: UInt64(pullIntervalMs) * 1_000_000)
 
     let record = DaemonRecord(
       pid: getpid(), mountpoint: mountpoint, container: container.rawValue, account: account, startedAt: Date())
@@ -89,7 +102,10 @@ final class Daemon {
     let rc = session.run()
     notifySystemd("STOPPING=1")
     log.info("session ended (\(rc)); stopping upload worker")
-    try? runBlocking { await worker.stop() }
+    try? runBlocking {
+      await puller.stop()
+      await worker.stop()
+    }
     session.close()
     try? FileManager.default.removeItem(at: recordURL)
     sources.forEach { $0.cancel() }

@@ -19,6 +19,8 @@ struct MountCommand: ParsableCommand {
   var cacheTimeout: Double = 1.0
   @Option(help: "Milliseconds an upload waits after the last change (coalesces editor saves).")
   var uploadDelayMs: Int = 1000
+  @Option(help: "Milliseconds between checks of the cloud's change feed.")
+  var pullIntervalMs: Int = 1000
   @Flag(help: "Verbose logging (and libfuse debug output).")
   var debug = false
   @OptionGroup var location: LocationOptions
@@ -28,6 +30,7 @@ struct MountCommand: ParsableCommand {
       throw ValidationError("usage: ubiqfs mount [CONTAINER] MOUNTPOINT")
     }
     if uploadDelayMs < 0 { throw ValidationError("--upload-delay-ms must be >= 0") }
+    if pullIntervalMs < 10 { throw ValidationError("--pull-interval-ms must be >= 10") }
   }
 
   func run() throws {
@@ -41,7 +44,7 @@ struct MountCommand: ParsableCommand {
         options.debug = debug
         let daemon = Daemon(
           container: container, mountpoint: mountpoint, paths: location.paths, options: options,
-          uploadDelayMs: uploadDelayMs)
+          uploadDelayMs: uploadDelayMs, pullIntervalMs: pullIntervalMs)
         let rc = try daemon.run()
         if rc != 0 { throw ExitCode(rc) }
       } else {
@@ -61,6 +64,7 @@ struct MountCommand: ParsableCommand {
       "/proc/self/exe", "mount", "--foreground", container.rawValue, mountpoint,
       "--state-dir", paths.stateRoot.path, "--cloud-dir", paths.cloudDir.path,
       "--cache-timeout", String(cacheTimeout), "--upload-delay-ms", String(uploadDelayMs),
+      "--pull-interval-ms", String(pullIntervalMs),
     ]
     if debug { args.append("--debug") }
     let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]

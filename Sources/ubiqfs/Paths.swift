@@ -119,15 +119,3 @@ func formatBytes(_ n: Int64) -> String {
   return i == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[i])
 }
 
-/// Runs async work from synchronous code on a thread that is not part of Swift's cooperative
-/// pool (the main thread or a FUSE thread).
-func runBlocking<T>(_ body: @escaping @Sendable () async throws -> T) throws -> T {
-  let sem = DispatchSemaphore(value: 0)
-  nonisolated(unsafe) var result: Result<T, Error>!
-  Task.detached {
-    do { result = .success(try await body()) } catch { result = .failure(error) }
-    sem.signal()
-  }
-  sem.wait()
-  return try result.get()
-}

@@ -7,7 +7,10 @@ struct Ubiqfs: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "ubiqfs",
     abstract: "iCloud-style ubiquity containers for Linux.",
-    subcommands: [MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self])
+    subcommands: [
+      MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
+      ContentCommand.self,
+    ])
 }
 
 /// Options every command that touches local state shares.
@@ -37,4 +40,4 @@ func cli(_ body: () throws -> Void) throws {
   }
 }
 
-Ubiqfs.main()
+Ubiqfs.main(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))

@@ -1,0 +1,134 @@
+import Foundation
+import GRDB
+import UbiqCore
+
+/// What applying one remote change did, so the filesystem can invalidate kernel caches.
+public struct RemoteApplyResult: Sendable {
+  public enum Outcome: Sendable, Equatable {
+    /// Our own version coming back, or nothing to do.
+    case unchanged
+    case created
+    case updated(contentChanged: Bool)
+    case deleted
+    /// The parent is not known yet; retry after the rest of the batch.
+    case deferred
+    /// The local item has changes of its own not yet uploaded; left for conflict handling.
+    case locallyModified
+  }
+  public var outcome: Outcome
+  public var inode: Int64?
+  /// (parent inode, name) entries the kernel may have cached and must forget.
+  public var staleEntries: [(Int64, String)] = []
+  public init(outcome: Outcome, inode: Int64? = nil, staleEntries: [(Int64, String)] = []) {
+    self.outcome = outcome
+    self.inode = inode
+    self.staleEntries = staleEntries
+  }
+}
+
+extension IndexStore {
+  /// The change-feed position this device has applied.
+  public func changeToken() throws -> Int64 { Int64(try meta("changeToken") ?? "0") ?? 0 }
+  public func setChangeToken(_ t: Int64) throws { try setMeta("changeToken", String(t)) }
+
+  /// Applies one remote item version to the index. Files whose content changed become dataless
+  /// (downloaded on the next read). Never touches an item with local changes waiting to upload.
+  public func applyRemote(_ r: CloudItem, uid: UInt32, gid: UInt32) throws -> RemoteApplyResult {
+    if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
+    return try pool.write { db in
+      let local = try ItemRow.filter(Column("itemID") == r.itemID).fetchOne(db)
+      if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
+      if let local,
+        try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [local.id!]) == true
+      {
+        return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
+      }
+      if r.deleted {
+        guard let local else { return RemoteApplyResult(outcome: .unchanged) }
+        if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [local.id!])! > 0 {
+          // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
+          try db.execute(sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
+                         arguments: [r.etag, local.id!])
+          try self.enqueue(db, local.id!)
+          return RemoteApplyResult(outcome: .unchanged, inode: local.id)
+        }
+        try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [local.id!])
+        return RemoteApplyResult(
+          outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
+      }
+      guard let parentItemID = r.parentID,
+        let parent = try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE itemID = ?", arguments: [parentItemID])
+      else { return RemoteApplyResult(outcome: .deferred) }
+      // A name taken by a different item gets "name 2", "name 3", ...
+      var name = r.name
+      var n = 2
+      while let other = try Self.childID(db, parent, name), other != local?.id {
+        name = ItemName.numbered(r.name, n)
+        n += 1
+      }
+      let manifest = String(data: try JSONEncoder().encode(r.chunks), encoding: .utf8)
+      var stale: [(Int64, String)] = []
+      if var row = local {
+        let contentChanged = row.kind == .file && row.chunkList != r.chunks
+        if row.parent != parent || row.name != name {
+          if let p = row.parent { stale.append((p, row.name)) }
+          stale.append((parent, name))
+        }
+        row.parent = parent
+        row.name = name
+        row.mode = r.mode
+        row.mtimeNs = r.mtimeNs
+        row.ctimeNs = Clock.nowNs()
+        row.size = r.size
+        row.symlinkTarget = r.symlinkTarget
+        row.etag = r.etag
+        row.chunks = manifest
+        if contentChanged { row.content = r.size == 0 ? .cached : .dataless }
+        row.syncedRevision = row.revision
+        try row.update(db)
+        try Self.replaceXattrs(db, row.id!, r.xattrs)
+        return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
+      }
+      var row = ItemRow(
+        itemID: r.itemID, parent: parent, name: name, kind: r.kind, mode: r.mode, uid: uid, gid: gid, size: r.size,
+        mtimeNs: r.mtimeNs, symlinkTarget: r.symlinkTarget, etag: r.etag,
+        content: (r.kind == .file && r.size > 0) ? .dataless : .cached)
+      row.chunks = manifest
+      try row.insert(db)
+      try Self.replaceXattrs(db, row.id!, r.xattrs)
+      return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: [(parent, name)])
+    }
+  }
+
+  static func replaceXattrs(_ db: Database, _ inode: Int64, _ x: [String: Data]) throws {
+    try db.execute(sql: "DELETE FROM xattrs WHERE item = ?", arguments: [inode])
+    for (k, v) in x {
+      try db.execute(sql: "INSERT INTO xattrs(item, name, value) VALUES (?, ?, ?)", arguments: [inode, k, v])
+    }
+  }
+
+  /// Marks a file's content as present in the cache (after a download).
+  public func markCached(_ inode: Int64, etag: String) throws -> Bool {
+    try pool.write { db in
+      try db.execute(
+        sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ? AND etag = ?",
+        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode, etag])
+      return db.changesCount > 0
+    }
+  }
+
+  /// Drops a file's local content if it is safely in the cloud: uploaded (no queue entry,
+  /// synced revision) and not pinned. Returns false if it must stay.
+  public func markEvicted(_ inode: Int64) throws -> Bool {
+    try pool.write { db in
+      guard let row = try ItemRow.fetchOne(db, key: inode), row.kind == .file, row.etag != nil, !row.pinned,
+        row.revision == row.syncedRevision,
+        try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [inode]) != true
+      else { return false }
+      if row.size == 0 { return true }
+      try db.execute(
+        sql: "UPDATE items SET content = ? WHERE id = ?", arguments: [ContentState.dataless.rawValue, inode])
+      return true
+    }
+  }
+}

@@ -1,0 +1,378 @@
+"""Fixtures for the end-to-end tests: every test gets its own state folder, embedded cloud and
+mount point, mounted through the real `ubiqfs` binary, and always unmounted afterwards.
+
+The helper object (`ubiq`) runs the CLI against the test's own folders, remounts, waits for
+uploads and reads the embedded cloud (SQLite metadata + chunk files) directly, so a test can
+compare what reached the cloud with what the mount shows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+UBIQFS_BIN = os.environ.get("UBIQFS_BIN", "/work/main/.build/debug/ubiqfs")
+DEFAULT_CONTAINER = "iCloud.default"
+CLI_TIMEOUT = 90
+
+# Every folder a test mounted under; checked once more at the end of the session.
+_ROOTS: list[Path] = []
+# Every daemon pid seen; none may outlive its test.
+_DAEMON_PIDS: set[int] = set()
+
+
+# ---------------------------------------------------------------------------- mount table / procs
+
+
+def _unescape_mountinfo(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 3 < len(s) and s[i + 1 : i + 4].isdigit():
+            out.append(chr(int(s[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def ubiq_mounts() -> list[str]:
+    """Mount points of every fuse.ubiqfs mount on the machine."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            parts = line.split()
+            if "-" not in parts:
+                continue
+            fstype = parts[parts.index("-") + 1]
+            if fstype == "fuse.ubiqfs":
+                found.append(_unescape_mountinfo(parts[4]))
+    return found
+
+
+def mounts_under(root: Path) -> list[str]:
+    r = str(root)
+    return [m for m in ubiq_mounts() if m == r or m.startswith(r + "/")]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie is as good as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def daemons_for_state(state: Path) -> list[int]:
+    """Pids of ubiqfs daemons started with this --state-dir (exactly our own processes)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        args = _cmdline(int(entry))
+        if not args or "ubiqfs" not in os.path.basename(args[0]):
+            continue
+        if "--state-dir" in args:
+            i = args.index("--state-dir")
+            if i + 1 < len(args) and os.path.abspath(args[i + 1]) == str(state):
+                pids.append(int(entry))
+    return pids
+
+
+def _is_ubiqfs_process(pid: int) -> bool:
+    args = _cmdline(pid)
+    return bool(args) and "ubiqfs" in os.path.basename(args[0])
+
+
+def kill_daemon(pid: int, grace: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL, one daemon by pid (only if it still is a ubiqfs process)."""
+    if not _pid_alive(pid) or not _is_ubiqfs_process(pid):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.time() + grace
+    while time.time() < deadline and _pid_alive(pid):
+        time.sleep(0.05)
+    if _pid_alive(pid) and _is_ubiqfs_process(pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.time() + grace
+        while time.time() < deadline and _pid_alive(pid):
+            time.sleep(0.05)
+
+
+def force_unmount(mountpoint: str) -> None:
+    subprocess.run(["fusermount3", "-uz", mountpoint], capture_output=True, timeout=30)
+
+
+# ---------------------------------------------------------------------------- helper object
+
+
+class CLIError(AssertionError):
+    pass
+
+
+class Ubiq:
+    """One test's ubiqfs world: state/, cloud/ and mnt/ under a fresh tmp folder."""
+
+    def __init__(self, root: Path, container: str = DEFAULT_CONTAINER):
+        self.root = root
+        self.state = root / "state"
+        self.cloud = root / "cloud"
+        self.mnt = root / "mnt"
+        self.container = container
+        for d in (self.state, self.cloud, self.mnt):
+            d.mkdir(parents=True, exist_ok=True)
+        self.env = dict(os.environ)
+        self.env["UBIQFS_STATE_DIR"] = str(self.state)
+        self.env["UBIQFS_CLOUD_DIR"] = str(self.cloud)
+        self.mount_args = ["--upload-delay-ms", "100"]
+
+    # -- paths
+
+    @property
+    def docs(self) -> Path:
+        return self.mnt / "Documents"
+
+    def container_dir(self, container: str | None = None) -> Path:
+        return self.state / "accounts" / "local" / (container or self.container)
+
+    @property
+    def daemon_log_path(self) -> Path:
+        return self.container_dir() / "daemon.log"
+
+    def daemon_log(self, container: str | None = None) -> str:
+        try:
+            return (self.container_dir(container) / "daemon.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def daemon_record(self, container: str | None = None) -> dict | None:
+        try:
+            return json.loads((self.container_dir(container) / "daemon.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    # -- CLI
+
+    def run(self, *args, check: bool = True, timeout: float = CLI_TIMEOUT, cwd=None) -> subprocess.CompletedProcess:
+        """Runs `ubiqfs ARGS` with this test's state and cloud folders."""
+        cp = subprocess.run(
+            [UBIQFS_BIN, *map(str, args)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd or str(self.root),
+        )
+        if check and cp.returncode != 0:
+            raise CLIError(
+                f"ubiqfs {' '.join(map(str, args))} exited {cp.returncode}\n"
+                f"stdout: {cp.stdout}\nstderr: {cp.stderr}\n"
+                f"daemon.log (tail):\n{self.daemon_log()[-3000:]}"
+            )
+        return cp
+
+    def mount(self, *extra: str) -> None:
+        args = list(extra) if extra else self.mount_args
+        self.run("mount", self.container, self.mnt, *args)
+        assert str(self.mnt) in ubiq_mounts(), "mount returned but the kernel shows no mount"
+        self._note_daemon()
+
+    def _note_daemon(self) -> None:
+        # daemon.json is written right after the kernel shows the mount; give it a moment.
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            rec = self.daemon_record()
+            if rec and _pid_alive(int(rec["pid"])):
+                _DAEMON_PIDS.add(int(rec["pid"]))
+                break
+            time.sleep(0.02)
+        _DAEMON_PIDS.update(daemons_for_state(self.state))
+
+    def unmount(self) -> None:
+        self.run("unmount", self.mnt)
+        assert str(self.mnt) not in ubiq_mounts()
+
+    def remount(self, *extra: str) -> None:
+        self.unmount()
+        self.mount(*extra)
+
+    def sync(self, path: Path | str | None = None, timeout: float = 30) -> None:
+        args = ["sync", "--wait"] + ([str(path)] if path is not None else []) + ["--timeout", str(timeout)]
+        self.run(*args, timeout=timeout + 30)
+
+    def status(self, path: Path | str | None = None) -> list[dict]:
+        args = ["status", "--json"] + ([str(path)] if path is not None else [])
+        return json.loads(self.run(*args).stdout)
+
+    # -- cloud
+
+    def _cloud_db(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.cloud / "cloud.sqlite"), timeout=10)
+        db.execute("PRAGMA busy_timeout = 10000")
+        return db
+
+    def cloud_items(self, container: str | None = None, include_deleted: bool = True) -> list[dict]:
+        """Every cloud record of the container (decoded JSON), deleted ones too unless asked."""
+        db = self._cloud_db()
+        try:
+            rows = db.execute(
+                "SELECT record FROM items WHERE account = 'local' AND container = ?", (container or self.container,)
+            ).fetchall()
+        finally:
+            db.close()
+        items = [json.loads(r[0] if isinstance(r[0], (str, bytes)) else bytes(r[0])) for r in rows]
+        return [i for i in items if include_deleted or not i.get("deleted")]
+
+    def cloud_item(self, item_id: str, container: str | None = None) -> dict | None:
+        for item in self.cloud_items(container):
+            if item["itemID"] == item_id:
+                return item
+        return None
+
+    def blob_path(self, digest: str) -> Path:
+        return self.cloud / "blobs" / "local" / digest[:2] / digest
+
+    def cloud_content(self, item_id: str, container: str | None = None) -> bytes:
+        """The bytes the cloud holds for a file: its chunks' blobs, concatenated."""
+        item = self.cloud_item(item_id, container)
+        assert item is not None, f"no cloud item {item_id}"
+        data = bytearray()
+        for chunk in item.get("chunks", []):
+            blob = self.blob_path(chunk["hash"]).read_bytes()
+            assert len(blob) == chunk["length"], f"blob {chunk['hash']} has {len(blob)} bytes, manifest says {chunk['length']}"
+            assert hashlib.sha256(blob).hexdigest() == chunk["hash"], f"blob {chunk['hash']} is corrupt"
+            data += blob
+        return bytes(data)
+
+    # -- items
+
+    @staticmethod
+    def xattr(path: Path | str, name: str) -> str:
+        return os.getxattr(str(path), name, follow_symlinks=False).decode()
+
+    def item_id(self, path: Path | str) -> str:
+        return self.xattr(path, "user.ubiq.item_id")
+
+    def cloud_item_for(self, path: Path | str) -> dict | None:
+        return self.cloud_item(self.item_id(path))
+
+
+# ---------------------------------------------------------------------------- fixtures / hooks
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture(scope="session")
+def ubiqfs_bin() -> str:
+    if not os.access(UBIQFS_BIN, os.X_OK):
+        pytest.exit(f"ubiqfs binary not found at {UBIQFS_BIN} (build it or set UBIQFS_BIN)", returncode=2)
+    return UBIQFS_BIN
+
+
+def _teardown_root(u: Ubiq) -> list[str]:
+    """Unmounts everything under the test's folder and stops its daemons; returns problems."""
+    problems = []
+    if str(u.mnt) in ubiq_mounts():
+        try:
+            cp = u.run("unmount", u.mnt, check=False, timeout=60)
+            if cp.returncode != 0:
+                problems.append(f"ubiqfs unmount failed: {cp.stderr.strip()}")
+        except subprocess.TimeoutExpired:
+            problems.append("ubiqfs unmount timed out")
+    for mp in mounts_under(u.root):
+        # Anything still mounted (a second mount made by a test, or a failed unmount).
+        try:
+            subprocess.run([UBIQFS_BIN, "unmount", mp], env=u.env, capture_output=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        if mp in ubiq_mounts():
+            force_unmount(mp)
+    # Daemons: from every daemon.json in the state folder, and by command line.
+    pids = set(daemons_for_state(u.state))
+    accounts = u.state / "accounts"
+    if accounts.is_dir():
+        for rec in accounts.glob("*/*/daemon.json"):
+            try:
+                pids.add(int(json.loads(rec.read_text())["pid"]))
+            except (OSError, ValueError, KeyError):
+                pass
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_pid_alive(p) and _is_ubiqfs_process(p) for p in pids):
+        time.sleep(0.05)
+    for pid in pids:
+        if _pid_alive(pid) and _is_ubiqfs_process(pid):
+            problems.append(f"daemon {pid} still running after unmount; killed")
+            kill_daemon(pid)
+    left = mounts_under(u.root)
+    if left:
+        problems.append(f"mounts left behind: {left}")
+    return problems
+
+
+@pytest.fixture
+def ubiq(tmp_path_factory, request, ubiqfs_bin):
+    root = tmp_path_factory.mktemp("ubiq")
+    _ROOTS.append(root)
+    u = Ubiq(root)
+    try:
+        u.mount()
+        yield u
+    finally:
+        problems = _teardown_root(u)
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            print(f"---- daemon.log ({u.daemon_log_path}) tail ----")
+            print(u.daemon_log()[-6000:])
+        # A test that left a file open inside the mount makes unmount fail; the forced unmount
+        # above still cleaned up. Report only what could not be cleaned.
+        leftover = mounts_under(root)
+        assert not leftover, f"mounts left behind: {leftover}; problems: {problems}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_mounts_left_behind():
+    yield
+    problems = []
+    for root in _ROOTS:
+        for mp in mounts_under(root):
+            problems.append(f"mount left behind: {mp}")
+            force_unmount(mp)
+    for pid in sorted(_DAEMON_PIDS):
+        if _pid_alive(pid) and _is_ubiqfs_process(pid):
+            problems.append(f"daemon left running: pid {pid}")
+            kill_daemon(pid)
+    assert not problems, "; ".join(problems)
