@@ -70,7 +70,9 @@ public struct Chunker: Sendable {
           if errno == EINTR { continue }
           throw UbiqError.io("read failed: \(String(cString: strerror(errno)))")
         }
-        if got == 0 { eof = true } else {
+        if got == 0 {
+          eof = true
+        } else {
           filled += got
           offset += Int64(got)
         }

@@ -25,7 +25,8 @@ public final class FuseSession: @unchecked Sendable {
   public func mount(fsname: String) throws {
     var ops = Self.operations()
     var args = fuse_args(argc: 0, argv: nil, allocated: 0)
-    let argv = ["ubiqfs", "-o", "fsname=\(fsname),subtype=ubiqfs,default_permissions"] + (fs.options.debug ? ["-d"] : [])
+    let argv =
+      ["ubiqfs", "-o", "fsname=\(fsname),subtype=ubiqfs,default_permissions"] + (fs.options.debug ? ["-d"] : [])
     for a in argv { fuse_opt_add_arg(&args, a) }
     defer { fuse_opt_free_args(&args) }
     let userdata = Unmanaged.passUnretained(fs).toOpaque()
@@ -88,7 +89,8 @@ public final class FuseSession: @unchecked Sendable {
     var ops = fuse_lowlevel_ops()
     ops.`init` = { userdata, conn in
       guard let conn else { return }
-      let want = FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO | FUSE_CAP_PARALLEL_DIROPS
+      let want =
+        FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO | FUSE_CAP_PARALLEL_DIROPS
         | FUSE_CAP_ASYNC_READ | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE
       conn.pointee.want |= UInt32(want) & conn.pointee.capable
       conn.pointee.max_write = 1 << 20

@@ -23,7 +23,8 @@ struct XattrSurface {
   func virtualValue(_ name: String, _ row: ItemRow) throws -> String? {
     let entry = try fs.index.queueEntry(forInode: row.id!)
     let localOnly = try fs.index.isLocalOnly(row.id!)
-    let uploaded = !localOnly && entry == nil && row.revision == row.syncedRevision
+    let uploaded =
+      !localOnly && entry == nil && row.revision == row.syncedRevision
       && (row.etag != nil || row.id == IndexStore.rootInode)
     switch name {
     case "status":
@@ -67,7 +68,9 @@ struct XattrSurface {
     } else if size < value.count {
       throw UbiqError.range(name)
     } else {
-      value.withUnsafeBytes { raw in _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count) }
+      value.withUnsafeBytes { raw in
+        _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
+      }
     }
   }
 
@@ -85,7 +88,9 @@ struct XattrSurface {
     } else if size < blob.count {
       throw UbiqError.range("xattr list")
     } else {
-      blob.withUnsafeBytes { raw in _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count) }
+      blob.withUnsafeBytes { raw in
+        _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
+      }
     }
   }
 

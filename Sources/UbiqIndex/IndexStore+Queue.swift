@@ -90,8 +90,9 @@ extension IndexStore {
   /// Makes every waiting entry due now (the cloud came back, or the user asked to sync).
   public func retryAllNow() throws {
     try pool.write { db in
-      try db.execute(sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?",
-                     arguments: [Clock.nowNs(), Clock.nowNs()])
+      try db.execute(
+        sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?",
+        arguments: [Clock.nowNs(), Clock.nowNs()])
     }
   }
 

@@ -47,8 +47,9 @@ extension IndexStore {
         guard let local else { return RemoteApplyResult(outcome: .unchanged) }
         if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [local.id!])! > 0 {
           // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
-          try db.execute(sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
-                         arguments: [r.etag, local.id!])
+          try db.execute(
+            sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
+            arguments: [r.etag, local.id!])
           try self.enqueue(db, local.id!)
           return RemoteApplyResult(outcome: .unchanged, inode: local.id)
         }

@@ -142,7 +142,9 @@ public final class ChangePuller: @unchecked Sendable {
         var still: [CloudItem] = []
         for item in deferred {
           let r = try apply(item)
-          if r.outcome == .deferred { still.append(item) } else {
+          if r.outcome == .deferred {
+            still.append(item)
+          } else {
             all.append(r)
             progress = true
           }

@@ -60,7 +60,9 @@ struct DaemonRecord: Codable {
 }
 
 func absolutePath(_ p: String) -> String {
-  let url = p.hasPrefix("/") ? URL(fileURLWithPath: p) : URL(fileURLWithPath: FileManager.default.currentDirectoryPath).appendingPathComponent(p)
+  let url =
+    p.hasPrefix("/")
+    ? URL(fileURLWithPath: p) : URL(fileURLWithPath: FileManager.default.currentDirectoryPath).appendingPathComponent(p)
   return url.standardizedFileURL.path
 }
 
@@ -118,4 +120,3 @@ func formatBytes(_ n: Int64) -> String {
   }
   return i == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[i])
 }
-

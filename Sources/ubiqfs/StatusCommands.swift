@@ -19,7 +19,8 @@ struct ContainerState {
       guard FileManager.default.fileExists(atPath: dir.appendingPathComponent("index.sqlite").path) else { return nil }
       let d = DaemonRecord.load(dir).flatMap { $0.isAlive ? $0 : nil }
       return ContainerState(
-        dir: dir, daemon: d, container: dir.lastPathComponent, account: dir.deletingLastPathComponent().lastPathComponent)
+        dir: dir, daemon: d, container: dir.lastPathComponent,
+        account: dir.deletingLastPathComponent().lastPathComponent)
     }
   }
 

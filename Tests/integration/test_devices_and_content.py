@@ -1,0 +1,208 @@
+"""Two devices on one embedded cloud, on-demand content (evict / download / pin), crash
+durability and delta uploads, all through real mounts of the real binary."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import UBIQFS_BIN, Ubiq, _ROOTS, _teardown_root, ubiq_mounts
+from helpers import sha256, sha256_file
+
+
+def wait_for(predicate, timeout=10.0, interval=0.05, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def device2(ubiq, tmp_path_factory):
+    """A second device: its own state folder and mount, the first device's cloud."""
+    root = tmp_path_factory.mktemp("device2")
+    _ROOTS.append(root)
+    d2 = Ubiq(root)
+    d2.cloud = ubiq.cloud
+    d2.env["UBIQFS_CLOUD_DIR"] = str(ubiq.cloud)
+    d2.mount_args = ["--upload-delay-ms", "100", "--pull-interval-ms", "100"]
+    try:
+        d2.mount()
+        yield d2
+    finally:
+        problems = _teardown_root(d2)
+        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
+
+
+def test_second_device_sees_creates_edits_moves_and_deletes(ubiq, device2):
+    data = os.urandom(3 * 1024 * 1024 + 17)
+    (ubiq.docs / "photo.bin").write_bytes(data)
+    (ubiq.docs / "notes").mkdir()
+    (ubiq.docs / "notes" / "a.txt").write_text("first\n")
+    os.setxattr(ubiq.docs / "notes" / "a.txt", "user.color", b"blue")
+    ubiq.sync()
+
+    remote = device2.docs / "photo.bin"
+    wait_for(lambda: remote.exists(), what="photo.bin on device 2")
+    wait_for(lambda: (device2.docs / "notes" / "a.txt").exists(), what="notes/a.txt on device 2")
+    st = os.stat(remote)
+    # Arrives as metadata only: true size, nothing allocated, not downloaded by stat/ls.
+    assert st.st_size == len(data) and st.st_blocks == 0
+    assert Ubiq.xattr(remote, "user.ubiq.status") == "not_downloaded"
+    subprocess.run(["ls", "-lR", str(device2.docs)], check=True, capture_output=True)
+    assert Ubiq.xattr(remote, "user.ubiq.status") == "not_downloaded"
+    assert sha256_file(remote) == sha256(data)  # read downloads on demand
+    assert Ubiq.xattr(remote, "user.ubiq.status") == "current"
+    assert os.stat(remote).st_blocks > 0
+    assert os.getxattr(device2.docs / "notes" / "a.txt", "user.color") == b"blue"
+
+    # Edit, move and delete on device 2; device 1 follows.
+    (device2.docs / "notes" / "a.txt").write_text("second\n")
+    os.rename(device2.docs / "photo.bin", device2.docs / "notes" / "photo.bin")
+    device2.sync()
+    wait_for(lambda: (ubiq.docs / "notes" / "photo.bin").exists(), what="move on device 1")
+    assert not (ubiq.docs / "photo.bin").exists()
+    wait_for(lambda: (ubiq.docs / "notes" / "a.txt").read_text() == "second\n", what="edit on device 1")
+    assert sha256_file(ubiq.docs / "notes" / "photo.bin") == sha256(data)
+    # Same item, not a copy.
+    assert ubiq.item_id(ubiq.docs / "notes" / "photo.bin") == device2.item_id(device2.docs / "notes" / "photo.bin")
+
+    os.unlink(device2.docs / "notes" / "a.txt")
+    device2.sync()
+    wait_for(lambda: not (ubiq.docs / "notes" / "a.txt").exists(), what="delete on device 1")
+
+
+def test_fresh_device_rebuilds_tree_from_cloud(ubiq, device2):
+    for i in range(20):
+        (ubiq.docs / f"f{i:02}.txt").write_text(f"file {i}\n")
+    ubiq.sync()
+    wait_for(lambda: len(os.listdir(device2.docs)) == 20, what="20 files on device 2")
+    assert sorted(os.listdir(device2.docs)) == sorted(os.listdir(ubiq.docs))
+    for i in range(20):
+        assert (device2.docs / f"f{i:02}.txt").read_text() == f"file {i}\n"
+
+
+def test_evict_download_and_pin(ubiq):
+    data = os.urandom(2 * 1024 * 1024)
+    f = ubiq.docs / "doc.bin"
+    f.write_bytes(data)
+    # Not yet uploaded: eviction is refused (it would lose data), the file stays intact.
+    cp = ubiq.run("evict", f, check=False)
+    if cp.returncode != 0:
+        assert "busy" in cp.stderr.lower() or "resource" in cp.stderr.lower()
+    ubiq.sync()
+    ubiq.run("evict", f)
+    st = os.stat(f)
+    assert st.st_size == len(data) and st.st_blocks == 0
+    assert Ubiq.xattr(f, "user.ubiq.status") == "not_downloaded"
+    assert sha256_file(f) == sha256(data)
+    assert Ubiq.xattr(f, "user.ubiq.status") == "current"
+
+    # Through the xattr too, and recursively on directories.
+    os.setxattr(f, "user.ubiq.action", b"evict")
+    assert os.stat(f).st_blocks == 0
+    ubiq.run("download", ubiq.docs)
+    assert Ubiq.xattr(f, "user.ubiq.status") == "current"
+
+    # Pinned content is kept: eviction fails with EBUSY.
+    ubiq.run("pin", f)
+    assert Ubiq.xattr(f, "user.ubiq.pinned") == "1"
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "user.ubiq.action", b"evict")
+    assert e.value.errno == errno.EBUSY
+    ubiq.run("unpin", f)
+    ubiq.run("evict", f)
+    assert os.stat(f).st_blocks == 0
+
+    # Evicted content survives a remount as metadata and downloads again.
+    ubiq.remount()
+    assert os.stat(f).st_blocks == 0 and os.stat(f).st_size == len(data)
+    assert sha256_file(f) == sha256(data)
+
+    # Bad values are refused with EINVAL.
+    with pytest.raises(OSError) as e:
+        os.setxattr(f, "user.ubiq.action", b"explode")
+    assert e.value.errno == errno.EINVAL
+
+
+def test_open_file_cannot_be_evicted(ubiq):
+    f = ubiq.docs / "open.txt"
+    f.write_text("keep me\n")
+    ubiq.sync()
+    with open(f) as handle:
+        with pytest.raises(OSError) as e:
+            os.setxattr(f, "user.ubiq.action", b"evict")
+        assert e.value.errno == errno.EBUSY
+        assert handle.read() == "keep me\n"
+
+
+def test_kill_9_loses_no_closed_write(ubiq):
+    """Close a batch of files, SIGKILL the daemon before it uploads, remount: all arrive."""
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "3000")
+    contents = {f"k{i}.bin": os.urandom(100_000 + i) for i in range(12)}
+    for name, data in contents.items():
+        with open(ubiq.docs / name, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    pid = int(ubiq.daemon_record()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="daemon to die")
+    subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
+    assert str(ubiq.mnt) not in ubiq_mounts()
+    # Nothing reached the cloud yet...
+    names = {i["name"] for i in ubiq.cloud_items(include_deleted=False)}
+    assert not (names & set(contents)), "uploads should still be queued when the daemon died"
+    # ...and everything does after the remount.
+    ubiq.mount()
+    ubiq.sync()
+    for name, data in contents.items():
+        path = ubiq.docs / name
+        assert sha256_file(path) == sha256(data)
+        assert sha256(ubiq.cloud_content(ubiq.item_id(path))) == sha256(data)
+
+
+def test_small_edit_in_large_file_uploads_few_bytes(ubiq):
+    f = ubiq.docs / "big.bin"
+    data = bytearray(os.urandom(48 * 1024 * 1024))
+    f.write_bytes(data)
+    ubiq.sync()
+    blobs_before = {p.name: p.stat().st_size for p in (ubiq.cloud / "blobs").rglob("*") if p.is_file()}
+    with open(f, "r+b") as fh:
+        fh.seek(20 * 1024 * 1024)
+        fh.write(os.urandom(1024 * 1024))
+    ubiq.sync()
+    blobs_after = {p.name: p.stat().st_size for p in (ubiq.cloud / "blobs").rglob("*") if p.is_file()}
+    new_bytes = sum(size for name, size in blobs_after.items() if name not in blobs_before)
+    assert new_bytes < 0.2 * len(data), f"re-uploaded {new_bytes} bytes for a 1 MiB edit"
+    with open(f, "rb") as fh:
+        local = fh.read()
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(local)
+
+
+def test_upload_waits_for_close_consistent_snapshot(ubiq):
+    """A file held open with unflushed writes is not uploaded until it is closed."""
+    f = ubiq.docs / "log.txt"
+    fh = open(f, "wb")
+    try:
+        fh.write(b"part one\n")
+        fh.flush()  # reaches the daemon as a write, but no close/fsync yet
+        time.sleep(1.0)
+        assert all(i["name"] != "log.txt" or i["size"] == 0 for i in ubiq.cloud_items(include_deleted=False))
+        fh.write(b"part two\n")
+    finally:
+        fh.close()
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(f)) == b"part one\npart two\n"
