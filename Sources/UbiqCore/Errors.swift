@@ -23,6 +23,7 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
   case conflict(String)
   case unavailable(String)
   case busy(String)
+  case accessDenied(String)
 
   public var errno: Int32 {
     switch self {
@@ -42,6 +43,7 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .conflict: return EBUSY
     case .unavailable: return EHOSTUNREACH
     case .busy: return EBUSY
+    case .accessDenied: return EACCES
     }
   }
 
@@ -63,6 +65,7 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .conflict(let m): return "conflict: \(m)"
     case .unavailable(let m): return "cloud unavailable: \(m)"
     case .busy(let m): return "busy: \(m)"
+    case .accessDenied(let m): return "access denied: \(m)"
     }
   }
 }

@@ -17,6 +17,16 @@ public struct MountOptions: Sendable {
   public var entryTimeout: Double = 1.0
   public var maxThreads: Int = 16
   public var debug = false
+  /// Content cache budget in bytes (0: no limit) and the free space to keep on the cache's disk.
+  public var cacheBudgetBytes: Int64 = 0
+  public var minFreeBytes: Int64 = 1 << 30
+  /// Process names (as in /proc/PID/comm) whose reads must never trigger a download: they get
+  /// EACCES on evicted files instead. Indexers and thumbnailers by default.
+  public var noDownloadPrograms: Set<String> = [
+    "tracker-miner-f", "tracker-extract", "tracker-extract-3", "tracker-miner-fs-3", "baloo_file",
+    "baloo_file_extractor", "updatedb", "updatedb.plocate", "plocate", "mlocate", "tumblerd", "ffmpegthumbnailer",
+    "gdk-pixbuf-thumbnailer", "totem-video-thumbnailer", "evince-thumbnailer", "gnome-desktop-thumbnailer",
+  ]
   public init() {}
 }
 
@@ -129,6 +139,16 @@ public final class UbiqFilesystem: @unchecked Sendable {
   func requireRow(_ ino: fuse_ino_t) throws -> ItemRow {
     guard let row = try index.item(Int64(ino)) else { throw UbiqError.notFound("inode \(ino)") }
     return row
+  }
+
+  /// The command name (/proc/PID/comm, at most 15 bytes) of the process behind a request.
+  func callerProgram(_ req: fuse_req_t?) -> String? {
+    guard let ctx = fuse_req_ctx(req), ctx.pointee.pid > 0,
+      let comm = try? String(contentsOfFile: "/proc/\(ctx.pointee.pid)/comm", encoding: .utf8)
+    else { return nil }
+    let name = comm.trimmingCharacters(in: .whitespacesAndNewlines)
+    // comm is truncated to 15 bytes: match configured names by the same prefix.
+    return options.noDownloadPrograms.first { String($0.utf8.prefix(15)) == name } ?? name
   }
 
   func caller(_ req: fuse_req_t?) -> (uid: UInt32, gid: UInt32) {
@@ -404,6 +424,10 @@ public final class UbiqFilesystem: @unchecked Sendable {
       let flags = fi?.pointee.flags ?? 0
       let writable = flags & O_ACCMODE != O_RDONLY
       let inode = row.id!
+      if row.content == .dataless, let who = callerProgram(req), options.noDownloadPrograms.contains(who) {
+        log.info("refused download of \(row.name) for \(who) (no-download program)")
+        throw UbiqError.accessDenied("\(who) may not download content")
+      }
       let fd = try coordinator.withInodeLock(inode) { () throws -> Int32 in
         try ensureContent(try requireRow(ino))
         let fd = try cache.open(inode, create: false)
@@ -411,6 +435,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
         return fd
       }
       let h = handles.add(OpenFile(inode: inode, fd: fd, writable: writable))
+      try? index.touchUsed(inode)
       if let fi {
         fi.pointee.fh = h
         // Local writes go through the kernel's page cache, so cached pages stay valid.
@@ -582,5 +607,31 @@ extension UbiqFilesystem {
       if row.size > 0 { cache.remove(inode) }
     }
     invalidate(inode, [])
+  }
+}
+
+extension UbiqFilesystem {
+  /// Evicts least-recently-used clean content until the cache fits its budget and the disk keeps
+  /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
+  @discardableResult
+  public func enforceCacheBudget() -> Int64 {
+    var freed: Int64 = 0
+    func overBudget() -> Bool {
+      var sv = statvfs()
+      let free = statvfs(cache.directory, &sv) == 0 ? Int64(sv.f_bavail) * Int64(sv.f_frsize) : Int64.max
+      let used = (try? index.cachedBytes()) ?? 0
+      return (options.cacheBudgetBytes > 0 && used > options.cacheBudgetBytes)
+        || (free < options.minFreeBytes && used > 0)
+    }
+    guard overBudget(), let candidates = try? index.evictionCandidates(limit: 500) else { return 0 }
+    for row in candidates {
+      if handles.liveState(row.id!) != nil || coordinator.isBusy(row.id!) { continue }
+      if (try? evict(row)) != nil {
+        freed += row.size
+        log.debug("cache budget: evicted \(row.name) (\(row.size) bytes)")
+      }
+      if !overBudget() { break }
+    }
+    return freed
   }
 }

@@ -133,3 +133,32 @@ extension IndexStore {
     }
   }
 }
+
+extension IndexStore {
+  /// Bytes of file content currently held in the cache (by the index's account).
+  public func cachedBytes() throws -> Int64 {
+    try pool.read { db in
+      try Int64.fetchOne(db, sql: "SELECT COALESCE(sum(size), 0) FROM items WHERE kind = 1 AND content = 1") ?? 0
+    }
+  }
+
+  /// Least-recently-used files that could be evicted: cached, uploaded exactly, not pinned.
+  public func evictionCandidates(limit: Int) throws -> [ItemRow] {
+    try pool.read { db in
+      try ItemRow.fetchAll(
+        db,
+        sql: """
+          SELECT * FROM items WHERE kind = 1 AND content = 1 AND size > 0 AND pinned = 0 AND etag IS NOT NULL
+            AND revision = syncedRevision AND id NOT IN (SELECT item FROM uploadQueue WHERE item IS NOT NULL)
+          ORDER BY lastUsedNs LIMIT ?
+          """, arguments: [limit])
+    }
+  }
+
+  /// Records that a file was used now (for LRU eviction).
+  public func touchUsed(_ inode: Int64) throws {
+    try pool.write { db in
+      try db.execute(sql: "UPDATE items SET lastUsedNs = ? WHERE id = ?", arguments: [Clock.nowNs(), inode])
+    }
+  }
+}

@@ -182,6 +182,7 @@ public final class ChangePuller: @unchecked Sendable {
 
   public func stop() async {
     lock.withLock { stopped = true }
+    task?.cancel()
     await task?.value
   }
 }

@@ -96,6 +96,12 @@ final class Daemon {
       src.resume()
       sources.append(src)
     }
+    // The cache budget is checked every few seconds.
+    let budgetTimer = DispatchSource.makeTimerSource(queue: .global(qos: .utility))
+    budgetTimer.schedule(deadline: .now() + 1, repeating: 2.0)
+    budgetTimer.setEventHandler { fs.enforceCacheBudget() }
+    budgetTimer.resume()
+    defer { budgetTimer.cancel() }
     notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
     log.info("mounted \(container) at \(mountpoint) (device \(deviceID))")
 

@@ -21,6 +21,12 @@ struct MountCommand: ParsableCommand {
   var uploadDelayMs: Int = 1000
   @Option(help: "Milliseconds between checks of the cloud's change feed.")
   var pullIntervalMs: Int = 1000
+  @Option(help: "Content cache budget, e.g. 10G, 500M (default: no limit besides --min-free).")
+  var cacheBudget: String?
+  @Option(help: "Free space to keep on the cache's disk, e.g. 1G.")
+  var minFree: String = "1G"
+  @Option(help: "Comma-separated program names whose reads never download (replaces the default list).")
+  var noDownloadPrograms: String?
   @Flag(help: "Verbose logging (and libfuse debug output).")
   var debug = false
   @OptionGroup var location: LocationOptions
@@ -31,6 +37,10 @@ struct MountCommand: ParsableCommand {
     }
     if uploadDelayMs < 0 { throw ValidationError("--upload-delay-ms must be >= 0") }
     if pullIntervalMs < 10 { throw ValidationError("--pull-interval-ms must be >= 10") }
+    do {
+      _ = try cacheBudget.map(parseSize)
+      _ = try parseSize(minFree)
+    } catch { throw ValidationError("\(error)") }
   }
 
   func run() throws {
@@ -42,6 +52,11 @@ struct MountCommand: ParsableCommand {
         options.attrTimeout = cacheTimeout
         options.entryTimeout = cacheTimeout
         options.debug = debug
+        options.cacheBudgetBytes = try cacheBudget.map(parseSize) ?? 0
+        options.minFreeBytes = try parseSize(minFree)
+        if let list = noDownloadPrograms {
+          options.noDownloadPrograms = Set(list.split(separator: ",").map { $0.trimmingCharacters(in: .whitespaces) })
+        }
         let daemon = Daemon(
           container: container, mountpoint: mountpoint, paths: location.paths, options: options,
           uploadDelayMs: uploadDelayMs, pullIntervalMs: pullIntervalMs)
@@ -64,9 +79,11 @@ struct MountCommand: ParsableCommand {
       "/proc/self/exe", "mount", "--foreground", container.rawValue, mountpoint,
       "--state-dir", paths.stateRoot.path, "--cloud-dir", paths.cloudDir.path,
       "--cache-timeout", String(cacheTimeout), "--upload-delay-ms", String(uploadDelayMs),
-      "--pull-interval-ms", String(pullIntervalMs),
+      "--pull-interval-ms", String(pullIntervalMs), "--min-free", minFree,
     ]
     if debug { args.append("--debug") }
+    if let cacheBudget { args += ["--cache-budget", cacheBudget] }
+    if let noDownloadPrograms { args += ["--no-download-programs", noDownloadPrograms] }
     let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
     args[0] = exe
     let startOffset = (try? FileManager.default.attributesOfItem(atPath: logPath)[.size] as? Int) ?? 0
@@ -143,4 +160,21 @@ struct UnmountCommand: ParsableCommand {
       print("unmounted \(mp)")
     }
   }
+}
+
+/// Parses sizes like 1048576, 512K, 500M, 10G (powers of 1024).
+func parseSize(_ text: String) throws -> Int64 {
+  let t = text.trimmingCharacters(in: .whitespaces).uppercased().replacingOccurrences(of: "IB", with: "")
+    .replacingOccurrences(of: "B", with: "")
+  let units: [Character: Int64] = ["K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40]
+  var digits = t
+  var mult: Int64 = 1
+  if let last = t.last, let m = units[last] {
+    mult = m
+    digits = String(t.dropLast())
+  }
+  guard let v = Double(digits), v >= 0 else {
+    throw UbiqError.invalidArgument("'\(text)' is not a size (e.g. 500M, 10G)")
+  }
+  return Int64(v * Double(mult))
 }

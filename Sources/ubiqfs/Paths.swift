@@ -56,7 +56,14 @@ struct DaemonRecord: Codable {
     return try? JSONDecoder().decode(DaemonRecord.self, from: d)
   }
 
-  var isAlive: Bool { kill(pid, 0) == 0 || errno == EPERM }
+  /// True while the process exists and is not a zombie waiting to be reaped.
+  var isAlive: Bool {
+    guard kill(pid, 0) == 0 || errno == EPERM else { return false }
+    guard let stat = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8),
+      let close = stat.lastIndex(of: ")")
+    else { return true }
+    return !stat[stat.index(after: close)...].trimmingCharacters(in: .whitespaces).hasPrefix("Z")
+  }
 }
 
 func absolutePath(_ p: String) -> String {

@@ -206,3 +206,49 @@ def test_upload_waits_for_close_consistent_snapshot(ubiq):
         fh.close()
     ubiq.sync()
     assert ubiq.cloud_content(ubiq.item_id(f)) == b"part one\npart two\n"
+
+
+def test_cache_budget_evicts_lru_but_never_pinned_open_or_unuploaded(ubiq):
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "100", "--cache-budget", "3M")
+    mib = 1024 * 1024
+    files = {f"b{i}.bin": os.urandom(mib) for i in range(6)}
+    for name, data in files.items():
+        (ubiq.docs / name).write_bytes(data)
+    (ubiq.docs / "local.nosync").write_bytes(os.urandom(mib))  # never uploaded: must stay
+    ubiq.sync()
+    ubiq.run("pin", ubiq.docs / "b0.bin")
+    held = open(ubiq.docs / "b1.bin", "rb")
+    try:
+        wait_for(
+            lambda: sum(os.stat(ubiq.docs / n).st_blocks == 0 for n in files) >= 3,
+            timeout=15,
+            what="budget eviction",
+        )
+        assert os.stat(ubiq.docs / "b0.bin").st_blocks > 0, "pinned file was evicted"
+        assert os.stat(ubiq.docs / "b1.bin").st_blocks > 0, "open file was evicted"
+        assert os.stat(ubiq.docs / "local.nosync").st_blocks > 0, "local-only file was evicted"
+        assert held.read() == files["b1.bin"]
+    finally:
+        held.close()
+    # Evicted files read back byte-exact.
+    for name, data in files.items():
+        assert sha256_file(ubiq.docs / name) == sha256(data)
+
+
+def test_no_download_programs_get_eacces(ubiq, tmp_path):
+    f = ubiq.docs / "movie.bin"
+    data = os.urandom(300_000)
+    f.write_bytes(data)
+    ubiq.sync()
+    ubiq.run("evict", f)
+    indexer = tmp_path / "updatedb"  # a default no-download program name
+    indexer.write_bytes(Path("/bin/cat").read_bytes())
+    indexer.chmod(0o755)
+    cp = subprocess.run([str(indexer), str(f)], capture_output=True)
+    assert cp.returncode != 0 and b"Permission denied" in cp.stderr
+    assert os.stat(f).st_blocks == 0, "the indexer's read must not download"
+    assert Ubiq.xattr(f, "user.ubiq.status") == "not_downloaded"
+    assert sha256_file(f) == sha256(data)  # an ordinary program downloads
+    # Cached content is fine for everyone.
+    assert subprocess.run([str(indexer), str(f)], capture_output=True).stdout == data
