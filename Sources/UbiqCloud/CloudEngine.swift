@@ -106,6 +106,15 @@ public final class CloudEngine: CloudService, @unchecked Sendable {
 
   public func usage() async throws -> Usage { try metadata.usage(account: account) }
 
+  public func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
+    let deadline = Clock.monotonicNs() + UInt64(max(0, timeoutMs)) * 1_000_000
+    while true {
+      if try metadata.lastChange(account: account, container: container.rawValue) > since { return true }
+      if Clock.monotonicNs() >= deadline { return false }
+      try await Task.sleep(nanoseconds: 25_000_000)
+    }
+  }
+
   public func setQuota(bytes: Int64) throws { try metadata.setQuota(account: account, bytes: bytes) }
 
   private func validate(_ item: CloudItem) throws {

@@ -48,6 +48,9 @@ public protocol CloudService: Sendable {
   /// Changes after `since` (0 = from the beginning).
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch
   func usage() async throws -> Usage
+  /// Waits until the container's change feed moves past `since` (true) or `timeoutMs` passes
+  /// (false). The push channel: over HTTP a long-poll, in-process a cheap local check.
+  func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool
 }
 
 /// Failures specific to the cloud protocol.

@@ -115,6 +115,14 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     }
   }
 
+  public func lastChange(account: String, container: String) throws -> Int64 {
+    try pool.read { db in
+      try Int64.fetchOne(
+        db, sql: "SELECT lastSeq FROM containers WHERE account = ? AND container = ?",
+        arguments: [account, container]) ?? 0
+    }
+  }
+
   public func knownChunks(account: String, hashes: [String]) throws -> Set<String> {
     if hashes.isEmpty { return [] }
     return try pool.read { db in

@@ -18,6 +18,8 @@ public protocol MetadataStore: Sendable {
   /// `ifMatch` (nil: the item must not exist or be a tombstone). Returns the stored record.
   func commit(account: String, container: String, item: CloudItem, ifMatch: String?) throws -> CloudItem
   func changes(account: String, container: String, since: Int64, limit: Int) throws -> ChangeBatch
+  /// The newest change sequence number of a container (0 if none).
+  func lastChange(account: String, container: String) throws -> Int64
   /// Which of `hashes` are recorded for the account.
   func knownChunks(account: String, hashes: [String]) throws -> Set<String>
   /// Records a stored chunk and charges it to the quota; throws `CloudError.quotaExceeded`

@@ -171,11 +171,21 @@ public final class ChangePuller: @unchecked Sendable {
     }
   }
 
-  public func start(intervalNs: UInt64) {
+  /// Pulls, then waits on the cloud's push channel (long-poll of up to 25 s) for the next
+  /// change; `retryNs` is the pause after a failure (cloud unreachable).
+  public func start(retryNs: UInt64) {
     task = Task.detached { [self] in
       while !lock.withLock({ stopped }) {
-        do { try await pullOnce() } catch { log.warning("pull failed: \(error)") }
-        try? await Task.sleep(nanoseconds: intervalNs)
+        do {
+          try await pullOnce()
+          _ = try await cloud.waitForChanges(container, since: try index.changeToken(), timeoutMs: 25_000)
+        } catch is CancellationError {
+          return
+        } catch {
+          if Task.isCancelled { return }
+          log.warning("pull failed: \(error)")
+          try? await Task.sleep(nanoseconds: retryNs)
+        }
       }
     }
   }

@@ -77,7 +77,7 @@ final class Daemon {
     let session = FuseSession(filesystem: fs, mountpoint: mountpoint)
     try session.mount(fsname: "ubiqfs:\(container.rawValue)")
     worker.start()
-    puller.start(intervalNs: UInt64(pullIntervalMs) * 1_000_000)
+    puller.start(retryNs: UInt64(pullIntervalMs) * 1_000_000)
 
     let record = DaemonRecord(
       pid: getpid(), mountpoint: mountpoint, container: container.rawValue, account: account, startedAt: Date())

@@ -19,7 +19,7 @@ struct MountCommand: ParsableCommand {
   var cacheTimeout: Double = 1.0
   @Option(help: "Milliseconds an upload waits after the last change (coalesces editor saves).")
   var uploadDelayMs: Int = 1000
-  @Option(help: "Milliseconds between checks of the cloud's change feed.")
+  @Option(help: "Milliseconds to wait before retrying after the cloud's change feed failed.")
   var pullIntervalMs: Int = 1000
   @Option(help: "Content cache budget, e.g. 10G, 500M (default: no limit besides --min-free).")
   var cacheBudget: String?
