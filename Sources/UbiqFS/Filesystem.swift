@@ -428,13 +428,22 @@ public final class UbiqFilesystem: @unchecked Sendable {
         log.info("refused download of \(row.name) for \(who) (no-download program)")
         throw UbiqError.accessDenied("\(who) may not download content")
       }
+      var stream: ContentStream?
       let fd = try coordinator.withInodeLock(inode) { () throws -> Int32 in
-        try ensureContent(try requireRow(ino))
+        let current = try requireRow(ino)
+        if current.content == .dataless && !writable, let downloader {
+          // Read-only: return now; each read waits only for its own range.
+          stream = try downloader.stream(inode)
+        } else {
+          try ensureContent(current)
+        }
         let fd = try cache.open(inode, create: false)
         if writable { coordinator.noteWriterOpened(inode) }
         return fd
       }
-      let h = handles.add(OpenFile(inode: inode, fd: fd, writable: writable))
+      let file = OpenFile(inode: inode, fd: fd, writable: writable)
+      file.stream = stream
+      let h = handles.add(file)
       try? index.touchUsed(inode)
       if let fi {
         fi.pointee.fh = h
@@ -487,6 +496,14 @@ public final class UbiqFilesystem: @unchecked Sendable {
 
   func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     guard let fi, let f = handles.get(fi.pointee.fh) else { return fail(req, EBADF) }
+    // `stream` is set once at open and never changed, so reading it here is race-free.
+    if let s = f.stream, !(s.finished && s.failed == nil) {
+      do {
+        try s.waitForRange(Int64(off), size, timeoutNs: downloader?.stallTimeoutNs ?? 15_000_000_000)
+      } catch {
+        return reply(req, error: error)
+      }
+    }
     _ = ubiq_reply_fd(req, f.fd, size, off)
   }
 

@@ -1,5 +1,6 @@
 import Foundation
 import UbiqCore
+import UbiqSync
 
 #if canImport(Glibc)
   import Glibc
@@ -12,6 +13,9 @@ final class OpenFile {
   let writable: Bool
   /// Written since the last flush/fsync.
   var dirty = false
+  /// Set while the content is still arriving from the cloud (read-only opens of evicted files).
+  /// Set at open, never changed afterwards.
+  var stream: ContentStream?
   init(inode: Int64, fd: Int32, writable: Bool) {
     self.inode = inode
     self.fd = fd

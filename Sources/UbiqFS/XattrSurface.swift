@@ -31,7 +31,9 @@ struct XattrSurface {
       if row.kind == .file && row.content == .dataless { return "not_downloaded" }
       return "current"
     case "downloading": return fs.downloader?.isDownloading(row.id!) == true ? "1" : "0"
-    case "percent_downloaded": return row.kind == .file && row.content == .dataless ? "0" : "100"
+    case "percent_downloaded":
+      guard row.kind == .file, row.content == .dataless else { return "100" }
+      return String(fs.downloader?.percent(row.id!) ?? 0)
     case "download_error": return row.content == .dataless ? fs.downloader?.lastError(row.id!) : nil
     case "uploading": return entry != nil ? "1" : "0"
     case "uploaded": return uploaded ? "1" : "0"

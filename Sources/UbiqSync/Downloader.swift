@@ -8,16 +8,140 @@ import UbiqIndex
   import Glibc
 #endif
 
-/// Brings evicted ("dataless") content into the cache: fetches the chunks of the item's cloud
-/// version, verifies each SHA-256, writes a temporary file and renames it into place.
-/// Concurrent requests for one inode share a single download.
+/// One in-progress download of a file's content into its cache file. Chunks arrive out of order
+/// (what readers wait for first, then sequential prefetch, several at a time); readers block
+/// only until their own byte range is present. All readers of the inode share it.
+public final class ContentStream: @unchecked Sendable {
+  public let inode: Int64
+  public let etag: String
+  public let size: Int64
+  let chunks: [ChunkRef]
+  let offsets: [Int64]
+  let fd: Int32
+  private let cond = NSCondition()
+  private var done: [Bool]
+  private var inFlight: Set<Int> = []
+  private var wanted: [Int] = []
+  private var failure: UbiqError?
+  private var isFinished = false
+  public var finished: Bool { cond.withLock { isFinished } }
+  private var doneCount = 0
+
+  init(inode: Int64, etag: String, size: Int64, chunks: [ChunkRef], fd: Int32) {
+    self.inode = inode
+    self.etag = etag
+    self.size = size
+    self.chunks = chunks
+    var offs: [Int64] = []
+    var o: Int64 = 0
+    for c in chunks {
+      offs.append(o)
+      o += c.length
+    }
+    offsets = offs
+    self.fd = fd
+    done = Array(repeating: false, count: chunks.count)
+  }
+
+  /// Fraction downloaded, 0...100.
+  public var percent: Int {
+    cond.withLock { chunks.isEmpty ? 100 : Int(Double(doneCount) * 100 / Double(chunks.count)) }
+  }
+
+  /// Chunk indexes overlapping [off, off+len).
+  func chunkRange(_ off: Int64, _ len: Int) -> Range<Int> {
+    guard !chunks.isEmpty, len > 0, off < size else { return 0..<0 }
+    let end = min(size, off + Int64(len))
+    var lo = 0
+    var hi = offsets.count - 1
+    while lo < hi {
+      let mid = (lo + hi + 1) / 2
+      if offsets[mid] <= off { lo = mid } else { hi = mid - 1 }
+    }
+    var last = lo
+    while last + 1 < offsets.count && offsets[last + 1] < end { last += 1 }
+    return lo..<(last + 1)
+  }
+
+  /// Blocks until [off, off+len) is present (or the download failed / `timeoutNs` passed).
+  public func waitForRange(_ off: Int64, _ len: Int, timeoutNs: UInt64) throws {
+    let range = chunkRange(off, len)
+    cond.lock()
+    defer { cond.unlock() }
+    if range.contains(where: { !done[$0] }) {
+      // Readers go first: put their chunks at the front of the queue.
+      wanted.insert(contentsOf: range.filter { !done[$0] && !inFlight.contains($0) }, at: 0)
+      cond.broadcast()
+    }
+    let deadline = Date(timeIntervalSinceNow: Double(timeoutNs) / 1e9)
+    while range.contains(where: { !done[$0] }) {
+      if let failure { throw failure }
+      if !cond.wait(until: deadline) {
+        throw UbiqError.unavailable("timed out waiting for content from the cloud")
+      }
+    }
+  }
+
+  /// Blocks until the whole file is present.
+  public func waitForAll(timeoutNs: UInt64) throws { try waitForRange(0, Int(clamping: size), timeoutNs: timeoutNs) }
+
+  /// The next chunk to fetch: one a reader waits for, else the next in file order.
+  func nextChunk() -> Int? {
+    cond.lock()
+    defer { cond.unlock() }
+    while let w = wanted.first {
+      wanted.removeFirst()
+      if !done[w] && !inFlight.contains(w) {
+        inFlight.insert(w)
+        return w
+      }
+    }
+    if let i = done.indices.first(where: { !done[$0] && !inFlight.contains($0) }) {
+      inFlight.insert(i)
+      return i
+    }
+    return nil
+  }
+
+  func complete(_ i: Int) {
+    cond.withLock {
+      inFlight.remove(i)
+      if !done[i] {
+        done[i] = true
+        doneCount += 1
+      }
+      cond.broadcast()
+    }
+  }
+
+  func fail(_ e: UbiqError) {
+    cond.withLock {
+      if failure == nil { failure = e }
+      cond.broadcast()
+    }
+  }
+
+  func markFinished() { cond.withLock { isFinished = true } }
+  public var failed: UbiqError? { cond.withLock { failure } }
+}
+
+/// Brings evicted ("dataless") content into the cache by streaming it from the cloud: fetches
+/// chunks in parallel, verifies each SHA-256, writes them into the cache file in place and
+/// marks the file cached once all arrived (so a crash mid-download just downloads again).
+/// Concurrent readers of one inode share one `ContentStream`.
 public final class Downloader: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache
   let cloud: CloudService
   let log: Logger
-  private let cond = NSCondition()
-  private var inflight: [Int64: Int] = [:]
+  /// Concurrent chunk fetches per file.
+  public var parallelism = 4
+  /// How long a reader waits without progress before failing (cloud unreachable).
+  public var stallTimeoutNs: UInt64 = 15_000_000_000
+  /// Optional bandwidth cap for downloads.
+  public var limiter: RateLimiter?
+  private let lock = NSLock()
+  private var streams: [Int64: ContentStream] = [:]
   private var failures: [Int64: String] = [:]
 
   public init(index: IndexStore, cache: ContentCache, cloud: CloudService, logger: Logger) {
@@ -28,69 +152,111 @@ public final class Downloader: @unchecked Sendable {
   }
 
   /// The last download error of an inode, if its last download failed.
-  public func lastError(_ inode: Int64) -> String? { cond.withLock { failures[inode] } }
-  public func isDownloading(_ inode: Int64) -> Bool { cond.withLock { inflight[inode] != nil } }
+  public func lastError(_ inode: Int64) -> String? { lock.withLock { failures[inode] } }
+  public func isDownloading(_ inode: Int64) -> Bool { lock.withLock { streams[inode] != nil } }
+  public func percent(_ inode: Int64) -> Int? { lock.withLock { streams[inode] }?.percent }
 
-  /// Blocks until the content of `inode` is cached (for FUSE threads and the CLI path).
-  public func ensureCached(_ inode: Int64) throws {
-    cond.lock()
-    while inflight[inode] != nil { cond.wait() }
-    if let row = try? index.item(inode), row.content == .cached, cache.exists(inode) {
-      cond.unlock()
-      return
+  /// The running download of `inode`, started if needed; nil if the content is already cached.
+  public func stream(_ inode: Int64) throws -> ContentStream? {
+    try lock.withLock {
+      guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
+      if row.content == .cached { return nil }
+      // A download of an older version (changed remotely meanwhile) finishes on its own.
+      if let s = streams[inode], s.etag == row.etag { return s }
+      guard let etag = row.etag else { throw UbiqError.io("\(row.name) has no cloud version") }
+      let fd = Glibc.open(cache.path(inode), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
+      guard fd >= 0 else { throw UbiqError.io("cannot create the cache file of \(row.name)") }
+      _ = ftruncate(fd, off_t(row.size))
+      let s = ContentStream(inode: inode, etag: etag, size: row.size, chunks: row.chunkList, fd: fd)
+      streams[inode] = s
+      failures[inode] = nil
+      Task.detached { [self] in await self.run(s, name: row.name) }
+      return s
     }
-    inflight[inode] = 1
-    cond.unlock()
-    var failure: Error?
-    do { try download(inode) } catch { failure = error }
-    cond.lock()
-    inflight[inode] = nil
-    if let failure { failures[inode] = "\(failure)" } else { failures[inode] = nil }
-    cond.broadcast()
-    cond.unlock()
-    if let failure { throw failure }
   }
 
-  func download(_ inode: Int64) throws {
+  /// Blocks until the content of `inode` is cached (writable opens, pinning, `download`).
+  public func ensureCached(_ inode: Int64) throws {
     for _ in 0..<3 {
-      guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
-      guard let etag = row.etag else { throw UbiqError.io("\(row.name) has no cloud version") }
-      let tmp = cache.path(inode) + ".download"
-      let fd = open(tmp, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
-      guard fd >= 0 else { throw UbiqError.io("cannot create \(tmp)") }
-      var offset: Int64 = 0
-      do {
-        for chunk in row.chunkList {
-          let data = try runBlocking { [cloud] in try await cloud.getChunk(hash: chunk.hash, range: nil) }
-          guard Chunker.sha256Hex(data) == chunk.hash else {
-            throw UbiqError.io("downloaded chunk \(chunk.hash) does not match its hash")
-          }
-          try data.withUnsafeBytes { raw in
-            var done = 0
-            while done < raw.count {
-              let n = pwrite(fd, raw.baseAddress! + done, raw.count - done, off_t(offset) + off_t(done))
-              if n < 0 && errno == EINTR { continue }
-              if n <= 0 { throw UbiqError.io("writing the cache: \(String(cString: strerror(errno)))") }
-              done += n
-            }
-          }
-          offset += Int64(data.count)
-        }
-        if ftruncate(fd, off_t(row.size)) != 0 { throw UbiqError.io("truncate cache") }
-        close(fd)
-      } catch {
-        close(fd)
-        unlink(tmp)
-        throw error
-      }
-      guard rename(tmp, cache.path(inode)) == 0 else { throw UbiqError.io("cannot install downloaded content") }
-      if try index.markCached(inode, etag: etag) {
-        log.debug("downloaded \(row.name) (\(offset) bytes)")
-        return
-      }
-      // A newer version arrived while downloading: fetch again.
+      guard let s = try stream(inode) else { return }
+      try s.waitForAll(timeoutNs: stallTimeoutNs)
+      // Wait for the index to record it (or learn it changed remotely meanwhile).
+      while !s.finished { usleep(1000) }
+      if let row = try index.item(inode), row.content == .cached { return }
     }
     throw UbiqError.busy("the item keeps changing remotely; try again")
+  }
+
+  func run(_ s: ContentStream, name: String) async {
+    await withTaskGroup(of: Void.self) { group in
+      for _ in 0..<max(1, parallelism) {
+        group.addTask { [self] in
+          while s.failed == nil, let i = s.nextChunk() {
+            do {
+              try await fetch(s, i)
+              s.complete(i)
+            } catch let e as UbiqError {
+              s.fail(e)
+            } catch {
+              s.fail(.io("\(error)"))
+            }
+          }
+        }
+      }
+    }
+    close(s.fd)
+    var ok = false
+    if let e = s.failed {
+      log.warning("download of \(name) failed: \(e)")
+      lock.withLock { failures[s.inode] = e.description }
+    } else {
+      ok = (try? index.markCached(s.inode, etag: s.etag)) ?? false
+      if ok { log.debug("downloaded \(name) (\(s.size) bytes)") }
+    }
+    s.markFinished()
+    lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } }
+    if !ok && s.failed == nil {
+      log.info("\(name) changed remotely while downloading; next read fetches the new version")
+    }
+  }
+
+  /// Fetches one chunk, retrying transient failures until `stallTimeoutNs` has passed.
+  func fetch(_ s: ContentStream, _ i: Int) async throws {
+    let chunk = s.chunks[i]
+    let start = Clock.monotonicNs()
+    var delay: UInt64 = 100_000_000
+    while true {
+      do {
+        await limiter?.acquire(Int(chunk.length))
+        let data = try await cloud.getChunk(hash: chunk.hash, range: nil)
+        guard Int64(data.count) == chunk.length, Chunker.sha256Hex(data) == chunk.hash else {
+          throw UbiqError.io("downloaded chunk \(chunk.hash.prefix(12)) does not match its hash")
+        }
+        try data.withUnsafeBytes { raw in
+          var done = 0
+          while done < raw.count {
+            let n = pwrite(s.fd, raw.baseAddress! + done, raw.count - done, off_t(s.offsets[i]) + off_t(done))
+            if n < 0 && errno == EINTR { continue }
+            if n <= 0 { throw UbiqError.io("writing the cache: \(String(cString: strerror(errno)))") }
+            done += n
+          }
+        }
+        return
+      } catch let e as CloudError {
+        switch e {
+        case .unavailable:
+          if Clock.monotonicNs() - start > stallTimeoutNs {
+            throw UbiqError.unavailable("cloud unreachable: \(e)")
+          }
+          try? await Task.sleep(nanoseconds: delay)
+          delay = min(delay * 2, 2_000_000_000)
+        case .notFound:
+          throw UbiqError.notFound("chunk \(chunk.hash.prefix(12)) is missing in the cloud")
+        default:
+          throw UbiqError.io("download failed: \(e)")
+        }
+      }
+    }
   }
 }
 

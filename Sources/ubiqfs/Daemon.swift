@@ -21,13 +21,15 @@ final class Daemon {
   let options: MountOptions
   let uploadDelayMs: Int
   let pullIntervalMs: Int
+  let downloadLimitBytes: Int64
   var log: Logger
 
   init(
     container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int,
-    pullIntervalMs: Int
+    pullIntervalMs: Int, downloadLimitBytes: Int64 = 0
   ) {
     self.pullIntervalMs = pullIntervalMs
+    self.downloadLimitBytes = downloadLimitBytes
     self.container = container
     self.mountpoint = mountpoint
     self.paths = paths
@@ -67,7 +69,9 @@ final class Daemon {
     let fs = UbiqFilesystem(
       index: index, cache: cache, coordinator: coordinator, container: container, options: options, logger: log,
       onQueued: { worker.kick() })
-    fs.downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    if downloadLimitBytes > 0 { downloader.limiter = RateLimiter(bytesPerSecond: downloadLimitBytes) }
+    fs.downloader = downloader
     let puller = ChangePuller(
       index: index, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(), gid: getgid(),
       logger: log)

@@ -23,6 +23,8 @@ struct MountCommand: ParsableCommand {
   var pullIntervalMs: Int = 1000
   @Option(help: "Content cache budget, e.g. 10G, 500M (default: no limit besides --min-free).")
   var cacheBudget: String?
+  @Option(help: "Cap download bandwidth, bytes per second (e.g. 10M); default unlimited.")
+  var downloadLimit: String?
   @Option(help: "Free space to keep on the cache's disk, e.g. 1G.")
   var minFree: String = "1G"
   @Option(help: "Comma-separated program names whose reads never download (replaces the default list).")
@@ -39,6 +41,7 @@ struct MountCommand: ParsableCommand {
     if pullIntervalMs < 10 { throw ValidationError("--pull-interval-ms must be >= 10") }
     do {
       _ = try cacheBudget.map(parseSize)
+      _ = try downloadLimit.map(parseSize)
       _ = try parseSize(minFree)
     } catch { throw ValidationError("\(error)") }
   }
@@ -59,7 +62,8 @@ struct MountCommand: ParsableCommand {
         }
         let daemon = Daemon(
           container: container, mountpoint: mountpoint, paths: location.paths, options: options,
-          uploadDelayMs: uploadDelayMs, pullIntervalMs: pullIntervalMs)
+          uploadDelayMs: uploadDelayMs, pullIntervalMs: pullIntervalMs,
+          downloadLimitBytes: try downloadLimit.map(parseSize) ?? 0)
         let rc = try daemon.run()
         if rc != 0 { throw ExitCode(rc) }
       } else {
@@ -83,6 +87,7 @@ struct MountCommand: ParsableCommand {
     ]
     if debug { args.append("--debug") }
     if let cacheBudget { args += ["--cache-budget", cacheBudget] }
+    if let downloadLimit { args += ["--download-limit", downloadLimit] }
     if let noDownloadPrograms { args += ["--no-download-programs", noDownloadPrograms] }
     let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
     args[0] = exe

@@ -252,3 +252,40 @@ def test_no_download_programs_get_eacces(ubiq, tmp_path):
     assert sha256_file(f) == sha256(data)  # an ordinary program downloads
     # Cached content is fine for everyone.
     assert subprocess.run([str(indexer), str(f)], capture_output=True).stdout == data
+
+
+def test_partial_read_of_evicted_file_streams(ubiq):
+    """With downloads capped at 8 MiB/s a 64 MiB evicted file takes ~8 s to arrive; reads near
+    the start, and a read far into the file, return long before that, byte-exact."""
+    data = os.urandom(64 * 1024 * 1024)
+    f = ubiq.docs / "large.bin"
+    f.write_bytes(data)
+    ubiq.sync()
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "100", "--download-limit", "8M")
+    ubiq.run("evict", f)
+    assert os.stat(f).st_blocks == 0
+
+    t0 = time.monotonic()
+    with open(f, "rb") as fh:
+        head = fh.read(64 * 1024)
+        t_head = time.monotonic() - t0
+        fh.seek(40 * 1024 * 1024)
+        middle = fh.read(64 * 1024)
+        t_middle = time.monotonic() - t0
+        assert head == data[: 64 * 1024]
+        assert middle == data[40 * 1024 * 1024 : 40 * 1024 * 1024 + 64 * 1024]
+        # The whole file is not there yet.
+        assert Ubiq.xattr(f, "user.ubiq.status") == "not_downloaded"
+        assert int(Ubiq.xattr(f, "user.ubiq.percent_downloaded")) < 100
+        # A second reader shares the same download.
+        with open(f, "rb") as other:
+            assert other.read(1024) == data[:1024]
+        rest = fh.read()
+    total = time.monotonic() - t0
+    assert t_head < 2.5, f"first 64 KiB took {t_head:.2f}s"
+    assert t_middle < 3.5, f"a read at 40 MiB took {t_middle:.2f}s"
+    assert total > 4.0, f"the download was not rate-limited ({total:.2f}s)"
+    assert rest == data[40 * 1024 * 1024 + 64 * 1024 :]
+    wait_for(lambda: Ubiq.xattr(f, "user.ubiq.status") == "current", timeout=20, what="download to finish")
+    assert sha256_file(f) == sha256(data)
