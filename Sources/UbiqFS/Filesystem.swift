@@ -48,6 +48,8 @@ public final class UbiqFilesystem: @unchecked Sendable {
   var invalidate: (_ inode: Int64?, _ entries: [(Int64, String)]) -> Void = { _, _ in }
   /// Called after something was queued for upload.
   var onQueued: () -> Void = {}
+  /// Percent uploaded of an item whose upload is in flight.
+  public var uploadPercent: (Int64) -> Int? = { _ in nil }
   /// Computes the virtual `user.ubiq.*` attributes.
   lazy var xattrSurface = XattrSurface(fs: self)
 

@@ -37,7 +37,9 @@ struct XattrSurface {
     case "download_error": return row.content == .dataless ? fs.downloader?.lastError(row.id!) : nil
     case "uploading": return entry != nil ? "1" : "0"
     case "uploaded": return uploaded ? "1" : "0"
-    case "percent_uploaded": return uploaded ? "100" : "0"
+    case "percent_uploaded":
+      if uploaded { return "100" }
+      return String(fs.uploadPercent(row.id!) ?? 0)
     case "upload_error":
       guard let e = entry, let msg = e.lastError else { return nil }
       return msg

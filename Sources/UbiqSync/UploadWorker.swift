@@ -26,6 +26,21 @@ public final class UploadWorker: @unchecked Sendable {
   private var task: Task<Void, Never>?
   /// Bytes of chunk data sent to the cloud since start (for tests and status).
   public private(set) var bytesSent: Int64 = 0
+  /// Optional bandwidth cap for uploads.
+  public var limiter: RateLimiter?
+  /// The upload in progress, if any.
+  private var current: UploadProgress?
+
+  /// Progress of the upload in flight (nil when idle).
+  public var inFlight: UploadProgress? { lock.withLock { current } }
+
+  /// Percent uploaded of `inode` if it is the upload in flight.
+  public func percent(_ inode: Int64) -> Int? {
+    lock.withLock {
+      guard let c = current, c.inode == inode, c.totalBytes > 0 else { return nil }
+      return Int(Double(c.sentBytes) * 100 / Double(c.totalBytes))
+    }
+  }
 
   public init(
     index: IndexStore, cache: ContentCache, cloud: CloudService, coordinator: WriteCoordinator,
@@ -139,6 +154,9 @@ public final class UploadWorker: @unchecked Sendable {
     let row = snap.row
     var chunks: [ChunkRef] = []
     var size = row.size
+    let path = (try? index.path(of: inode)) ?? row.name
+    lock.withLock { current = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
+    defer { lock.withLock { current = nil } }
     if row.kind == .file {
       if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
@@ -173,6 +191,13 @@ public final class UploadWorker: @unchecked Sendable {
     guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
     // Pass 2: send what is missing, re-reading each chunk and checking it still hashes the same.
     let missing = try await cloud.missingChunks(refs.map(\.hash))
+    // Progress counts only what has to travel.
+    let toSend = Set(refs.filter { missing.contains($0.hash) }.map(\.hash))
+    let travelling = refs.filter { toSend.contains($0.hash) }.reduce(into: [String: Int64]()) {
+      $0[$1.hash] = $1.length
+    }
+    .values.reduce(0, +)
+    lock.withLock { current?.totalBytes = travelling }
     var sent = Set<String>()
     for (i, ref) in refs.enumerated() where missing.contains(ref.hash) && !sent.contains(ref.hash) {
       var data = Data(count: Int(ref.length))
@@ -189,11 +214,23 @@ public final class UploadWorker: @unchecked Sendable {
       guard ok, Chunker.sha256Hex(data) == ref.hash, coordinator.isSnapshotIntact(inode, token) else {
         throw Postpone(ns: 200_000_000)
       }
+      await limiter?.acquire(data.count)
       try await cloud.putChunk(hash: ref.hash, data: data)
       sent.insert(ref.hash)
-      lock.withLock { bytesSent += ref.length }
+      lock.withLock {
+        bytesSent += ref.length
+        current?.sentBytes += ref.length
+      }
     }
     guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
     return (refs, offset)
   }
+}
+
+/// The upload in flight: which item and how far along.
+public struct UploadProgress: Codable, Sendable, Equatable {
+  public var inode: Int64
+  public var path: String
+  public var sentBytes: Int64
+  public var totalBytes: Int64
 }

@@ -22,12 +22,14 @@ final class Daemon {
   let uploadDelayMs: Int
   let pullIntervalMs: Int
   let downloadLimitBytes: Int64
+  let uploadLimitBytes: Int64
   var log: Logger
 
   init(
     container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int,
-    pullIntervalMs: Int, downloadLimitBytes: Int64 = 0
+    pullIntervalMs: Int, downloadLimitBytes: Int64 = 0, uploadLimitBytes: Int64 = 0
   ) {
+    self.uploadLimitBytes = uploadLimitBytes
     self.pullIntervalMs = pullIntervalMs
     self.downloadLimitBytes = downloadLimitBytes
     self.container = container
@@ -100,6 +102,23 @@ final class Daemon {
       src.resume()
       sources.append(src)
     }
+    fs.uploadPercent = { worker.percent($0) }
+    if uploadLimitBytes > 0 { worker.limiter = RateLimiter(bytesPerSecond: uploadLimitBytes) }
+    // Upload progress for `ubiqfs status --watch`, written while something is in flight.
+    let progressURL = dir.appendingPathComponent("progress.json")
+    let progressTimer = DispatchSource.makeTimerSource(queue: .global(qos: .utility))
+    nonisolated(unsafe) var lastProgress: UploadProgress?? = .none
+    progressTimer.schedule(deadline: .now() + 0.25, repeating: 0.25)
+    progressTimer.setEventHandler {
+      let p = worker.inFlight
+      if case .some(let last) = lastProgress, last == p { return }
+      lastProgress = .some(p)
+      if let data = try? JSONEncoder().encode(p.map { [$0] } ?? []) {
+        try? data.write(to: progressURL, options: .atomic)
+      }
+    }
+    progressTimer.resume()
+    defer { progressTimer.cancel() }
     // The cache budget is checked every few seconds.
     let budgetTimer = DispatchSource.makeTimerSource(queue: .global(qos: .utility))
     budgetTimer.schedule(deadline: .now() + 1, repeating: 2.0)

@@ -25,6 +25,8 @@ struct MountCommand: ParsableCommand {
   var cacheBudget: String?
   @Option(help: "Cap download bandwidth, bytes per second (e.g. 10M); default unlimited.")
   var downloadLimit: String?
+  @Option(help: "Cap upload bandwidth, bytes per second (e.g. 10M); default unlimited.")
+  var uploadLimit: String?
   @Option(help: "Free space to keep on the cache's disk, e.g. 1G.")
   var minFree: String = "1G"
   @Option(help: "Comma-separated program names whose reads never download (replaces the default list).")
@@ -42,6 +44,7 @@ struct MountCommand: ParsableCommand {
     do {
       _ = try cacheBudget.map(parseSize)
       _ = try downloadLimit.map(parseSize)
+      _ = try uploadLimit.map(parseSize)
       _ = try parseSize(minFree)
     } catch { throw ValidationError("\(error)") }
   }
@@ -63,7 +66,8 @@ struct MountCommand: ParsableCommand {
         let daemon = Daemon(
           container: container, mountpoint: mountpoint, paths: location.paths, options: options,
           uploadDelayMs: uploadDelayMs, pullIntervalMs: pullIntervalMs,
-          downloadLimitBytes: try downloadLimit.map(parseSize) ?? 0)
+          downloadLimitBytes: try downloadLimit.map(parseSize) ?? 0,
+          uploadLimitBytes: try uploadLimit.map(parseSize) ?? 0)
         let rc = try daemon.run()
         if rc != 0 { throw ExitCode(rc) }
       } else {
@@ -88,6 +92,7 @@ struct MountCommand: ParsableCommand {
     if debug { args.append("--debug") }
     if let cacheBudget { args += ["--cache-budget", cacheBudget] }
     if let downloadLimit { args += ["--download-limit", downloadLimit] }
+    if let uploadLimit { args += ["--upload-limit", uploadLimit] }
     if let noDownloadPrograms { args += ["--no-download-programs", noDownloadPrograms] }
     let exe = (try? FileManager.default.destinationOfSymbolicLink(atPath: "/proc/self/exe")) ?? CommandLine.arguments[0]
     args[0] = exe

@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import UbiqCore
 import UbiqIndex
+import UbiqSync
 
 #if canImport(Glibc)
   import Glibc
@@ -48,6 +49,9 @@ struct StatusCommand: ParsableCommand {
 
   @Argument(help: "Only the mount holding this path.") var path: String?
   @Flag(help: "Machine-readable output.") var json = false
+  @Flag(help: "Refresh continuously (queue, bytes pending, per-file progress bars) until interrupted.")
+  var watch = false
+  @Option(help: .hidden) var iterations: Int?
   @OptionGroup var location: LocationOptions
 
   struct Report: Codable {
@@ -56,9 +60,30 @@ struct StatusCommand: ParsableCommand {
     var mountpoint: String?
     var pid: Int32?
     var queue: QueueSummary
+    var uploading: [UploadProgress]
   }
 
   func run() throws {
+    guard watch else { return try once() }
+    var n = 0
+    while iterations.map({ n < $0 }) ?? true {
+      if !json { print("\u{1B}[H\u{1B}[2J", terminator: "") }
+      try once()
+      fflush(stdout)
+      n += 1
+      if iterations.map({ n >= $0 }) ?? false { break }
+      usleep(500_000)
+    }
+  }
+
+  static func bar(_ done: Int64, _ total: Int64, width: Int = 30) -> String {
+    let frac = total > 0 ? min(1, Double(done) / Double(total)) : 0
+    let filled = Int(frac * Double(width))
+    return "[" + String(repeating: "#", count: filled) + String(repeating: "-", count: width - filled) + "] "
+      + String(format: "%3d%%", Int(frac * 100))
+  }
+
+  func once() throws {
     try cli {
       var states = ContainerState.all(location.paths)
       if let path {
@@ -68,10 +93,14 @@ struct StatusCommand: ParsableCommand {
       var reports: [Report] = []
       for s in states {
         let summary = try s.openIndex().queueSummary()
+        var uploading: [UploadProgress] = []
+        if s.daemon != nil, let d = try? Data(contentsOf: s.dir.appendingPathComponent("progress.json")) {
+          uploading = (try? JSONDecoder().decode([UploadProgress].self, from: d)) ?? []
+        }
         reports.append(
           Report(
             container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
-            queue: summary))
+            queue: summary, uploading: uploading))
       }
       if json {
         let enc = JSONEncoder()
@@ -89,6 +118,11 @@ struct StatusCommand: ParsableCommand {
           print("  all changes uploaded")
         } else {
           print("  pending: \(q.pendingItems) uploads (\(formatBytes(q.pendingBytes))), \(q.pendingDeletes) deletes")
+        }
+        for u in r.uploading {
+          print(
+            "  uploading \(u.path) \(Self.bar(u.sentBytes, u.totalBytes)) \(formatBytes(u.sentBytes))/\(formatBytes(u.totalBytes))"
+          )
         }
         for f in q.failing {
           let wait = max(0, (f.nextAttemptNs - now) / 1_000_000_000)

@@ -31,8 +31,15 @@ def sh(*args, cwd=None, check=True, env=None, timeout=120, input=None) -> subpro
         [str(a) for a in args], cwd=cwd, capture_output=True, text=True, env=env, timeout=timeout, input=input
     )
     if check and cp.returncode != 0:
-        raise AssertionError(f"{' '.join(map(str, args))} exited {cp.returncode}\nstdout: {cp.stdout}\nstderr: {cp.stderr}")
+        raise AssertionError(
+            f"{' '.join(map(str, args))} exited {cp.returncode}\n"
+            f"stdout: {_clip(cp.stdout)}\nstderr: {_clip(cp.stderr)}"
+        )
     return cp
+
+
+def _clip(text: str, limit: int = 3000) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters)"
 
 
 def tree_snapshot(top: Path | str, with_inodes: bool = False, with_times: bool = True) -> dict:

@@ -1,0 +1,86 @@
+"""The durable upload queue as a user sees it: progress, quota errors that keep data local,
+coalesced saves, and sync --wait."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+
+from conftest import Ubiq
+from helpers import sha256, sha256_file
+from test_devices_and_content import wait_for
+
+
+def set_quota(u: Ubiq, quota: int) -> None:
+    """What a cloud operator does: change the account's quota in the cloud's own store."""
+    db = sqlite3.connect(str(u.cloud / "cloud.sqlite"), timeout=10)
+    try:
+        db.execute("UPDATE accounts SET quotaBytes = ? WHERE name = 'local'", (quota,))
+        db.commit()
+    finally:
+        db.close()
+
+
+def test_status_watch_shows_progress_bar_and_xattr_percent(ubiq):
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "100", "--upload-limit", "8M")
+    f = ubiq.docs / "video.bin"
+    data = os.urandom(40 * 1024 * 1024)
+    f.write_bytes(data)
+    wait_for(lambda: ubiq.status()[0]["uploading"], timeout=10, what="upload to start")
+    out = ubiq.run("status", "--watch", "--iterations", "2").stdout
+    assert "uploading Documents/video.bin [" in out and "%" in out
+    pct = int(Ubiq.xattr(f, "user.ubiq.percent_uploaded"))
+    assert 0 <= pct < 100
+    assert Ubiq.xattr(f, "user.ubiq.uploading") == "1"
+    report = ubiq.status()[0]
+    assert report["queue"]["pendingItems"] >= 1 and report["queue"]["pendingBytes"] >= len(data)
+    ubiq.sync(timeout=60)
+    assert Ubiq.xattr(f, "user.ubiq.percent_uploaded") == "100"
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(data)
+
+
+def test_quota_exceeded_keeps_write_local_then_uploads(ubiq):
+    set_quota(ubiq, 1024 * 1024)
+    f = ubiq.docs / "too-big.bin"
+    data = os.urandom(3 * 1024 * 1024)
+    f.write_bytes(data)
+    wait_for(
+        lambda: "EDQUOT" in ubiq.status()[0]["queue"]["failing"][0]["error"] if ubiq.status()[0]["queue"]["failing"] else False,
+        timeout=15,
+        what="EDQUOT in status",
+    )
+    assert "EDQUOT" in Ubiq.xattr(f, "user.ubiq.upload_error")
+    assert Ubiq.xattr(f, "user.ubiq.uploaded") == "0"
+    assert sha256_file(f) == sha256(data)  # still local and readable
+    text = ubiq.run("status").stdout
+    assert "too-big.bin" in text and "EDQUOT" in text
+    cp = ubiq.run("sync", "--wait", f, "--timeout", "2", check=False)
+    assert cp.returncode != 0 and "EDQUOT" in cp.stderr
+    set_quota(ubiq, 0)  # space freed
+    ubiq.sync(f)
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(data)
+    assert Ubiq.xattr(f, "user.ubiq.uploaded") == "1"
+    try:
+        Ubiq.xattr(f, "user.ubiq.upload_error")
+        raise AssertionError("upload_error should be gone")
+    except OSError:
+        pass
+
+
+def test_repeated_saves_coalesce_into_newest(ubiq):
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "1500")
+    f = ubiq.docs / "draft.txt"
+    versions = [f"version {i}\n".encode() * 100 for i in range(10)]
+    for v in versions:
+        with open(f, "wb") as fh:
+            fh.write(v)
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(f)) == versions[-1]
+    blobs = [p for p in (ubiq.cloud / "blobs").rglob("*") if p.is_file()]
+    hashes = {p.name for p in blobs}
+    assert sha256(versions[-1]) in hashes
+    # Only the newest content travelled.
+    assert not any(sha256(v) in hashes for v in versions[:-1])
