@@ -446,7 +446,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
       let file = OpenFile(inode: inode, fd: fd, writable: writable)
       file.stream = stream
       let h = handles.add(file)
-      try? index.touchUsed(inode)
+      handles.noteUse(inode)
       if let fi {
         fi.pointee.fh = h
         // Local writes go through the kernel's page cache, so cached pages stay valid.
@@ -634,6 +634,7 @@ extension UbiqFilesystem {
   /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
   @discardableResult
   public func enforceCacheBudget() -> Int64 {
+    try? index.recordUse(handles.takeUses())
     var freed: Int64 = 0
     func overBudget() -> Bool {
       var sv = statvfs()

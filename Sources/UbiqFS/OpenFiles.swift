@@ -110,5 +110,15 @@ final class HandleTable: @unchecked Sendable {
 
   var openHandleCount: Int { lock.withLock { handles.count } }
 
+  /// Last-use times not yet written to the index (flushed in batches, off the hot path).
+  private var uses: [Int64: Int64] = [:]
+  func noteUse(_ inode: Int64) { lock.withLock { uses[inode] = Clock.nowNs() } }
+  func takeUses() -> [Int64: Int64] {
+    lock.withLock {
+      defer { uses = [:] }
+      return uses
+    }
+  }
+
   func openInodes() -> Set<Int64> { lock.withLock { Set(live.keys) } }
 }

@@ -155,10 +155,13 @@ extension IndexStore {
     }
   }
 
-  /// Records that a file was used now (for LRU eviction).
-  public func touchUsed(_ inode: Int64) throws {
+  /// Records when files were last used (for LRU eviction), in one transaction.
+  public func recordUse(_ uses: [Int64: Int64]) throws {
+    guard !uses.isEmpty else { return }
     try pool.write { db in
-      try db.execute(sql: "UPDATE items SET lastUsedNs = ? WHERE id = ?", arguments: [Clock.nowNs(), inode])
+      for (inode, ns) in uses {
+        try db.execute(sql: "UPDATE items SET lastUsedNs = ? WHERE id = ?", arguments: [ns, inode])
+      }
     }
   }
 }
