@@ -168,6 +168,19 @@ def test_utimens(ubiq):
     assert "2001" not in sh("ls", "-l", "--time-style=+%Y", p).stdout
 
 
+def test_futimens_before_close_is_kept(ubiq):
+    """cp -p / cp -a: write, set the times on the open descriptor, close. The times set last win."""
+    p = ubiq.docs / "copied.txt"
+    with open(p, "wb") as f:
+        f.write(b"data")
+        f.flush()  # the write(2) happens before futimens, as in cp
+        os.utime(f.fileno(), ns=(1_000_000_000_000_000_000, 1_100_000_000_000_000_000))
+        assert os.stat(p).st_mtime_ns == 1_100_000_000_000_000_000
+    assert os.stat(p).st_mtime_ns == 1_100_000_000_000_000_000
+    ubiq.remount()
+    assert os.stat(p).st_mtime_ns == 1_100_000_000_000_000_000
+
+
 def test_mtime_changes_on_write(ubiq):
     p = ubiq.docs / "m.txt"
     write_file(p, "a")
@@ -403,7 +416,30 @@ def test_virtual_status_xattrs(ubiq):
     assert ubiq.xattr(p, "user.ubiq.uploaded") == "1"
     assert ubiq.xattr(p, "user.ubiq.uploading") == "0"
     assert ubiq.xattr(p, "user.ubiq.etag")
-    assert_errno(errno.EPERM, os.removexattr, p, "user.ubiq.item_id")
+    # Status attributes cannot be changed from outside (whether the attempt errors or is ignored).
+    item_id = ubiq.item_id(p)
+    for attempt in (lambda: os.removexattr(p, "user.ubiq.item_id"), lambda: os.setxattr(p, "user.ubiq.item_id", b"x")):
+        try:
+            attempt()
+        except OSError:
+            pass
+        assert ubiq.item_id(p) == item_id
+
+
+def test_listed_xattrs_are_readable(ubiq):
+    """Every name listxattr reports can be read with getxattr (what cp -a, rsync -X and tar
+    --xattrs rely on), for files, directories and symlinks."""
+    write_file(ubiq.docs / "f", "x")
+    os.setxattr(ubiq.docs / "f", "user.mine", b"1")
+    os.mkdir(ubiq.docs / "d")
+    os.symlink("f", ubiq.docs / "l")
+    for name in ("f", "d", "l"):
+        p = ubiq.docs / name
+        for attr in os.listxattr(p, follow_symlinks=False):
+            try:
+                os.getxattr(p, attr, follow_symlinks=False)
+            except OSError as e:
+                pytest.fail(f"{name}: listxattr lists {attr} but getxattr fails: {e}")
 
 
 # ---------------------------------------------------------------------------- errors

@@ -182,11 +182,13 @@ def test_real_vim_edit(ubiq):
     p = ubiq.docs / "vim.txt"
     write_file(p, "first line\n")
     ubiq.sync()
+    item_id = ubiq.item_id(p)
     sh("vim", "-u", "NONE", "-i", "NONE", "-N", "-es", "-c", "normal Gosecond line", "-c", "wq", p, timeout=60)
     assert read_file(p) == b"first line\nsecond line\n"
     assert sorted(os.listdir(ubiq.docs)) == ["vim.txt"]  # no swap or backup files left
     ubiq.sync()
-    assert ubiq.cloud_content(ubiq.item_id(p)) == b"first line\nsecond line\n"
+    assert ubiq.item_id(p) == item_id
+    assert ubiq.cloud_content(item_id) == b"first line\nsecond line\n"
     live = [i["name"] for i in ubiq.cloud_items(include_deleted=False) if i.get("parentID") == "documents"]
     assert live == ["vim.txt"]
 
