@@ -223,6 +223,8 @@ public final class UbiqFilesystem: @unchecked Sendable {
       } else if toSet & FUSE_SET_ATTR_MTIME != 0 {
         c.mtimeNs = Self.ns(a.st_mtim)
       }
+      // An explicit mtime (cp -p, touch) replaces the time of earlier writes.
+      if c.mtimeNs != nil { handles.setPendingMtime(inode, nil) }
       if toSet & FUSE_SET_ATTR_SIZE != 0 {
         let row = try requireRow(ino)
         if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
@@ -534,7 +536,8 @@ public final class UbiqFilesystem: @unchecked Sendable {
     guard f.dirty else { return }
     var st = Glibc.stat()
     fstat(f.fd, &st)
-    let mtime = handles.takePendingMtime(f.inode) ?? Clock.nowNs()
+    // nil: the mtime was set explicitly after the last write; keep it.
+    let mtime = handles.takePendingMtime(f.inode)
     try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime)
     f.dirty = false
     coordinator.noteFlushed(f.inode)

@@ -81,7 +81,10 @@ struct XattrSurface {
   func list(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) throws {
     let row = try fs.requireRow(ino)
     var names = try fs.index.xattrNames(row.id!)
-    for v in Self.statusNames where try virtualValue(v, row) != nil { names.append(Self.prefix + v) }
+    // The kernel refuses user.* attributes on symlinks, so list none there.
+    if row.kind != .symlink {
+      for v in Self.statusNames where try virtualValue(v, row) != nil { names.append(Self.prefix + v) }
+    }
     var blob = Data()
     for n in names {
       blob.append(contentsOf: Array(n.utf8))
@@ -131,7 +134,19 @@ struct XattrSurface {
 
   func remove(_ ino: fuse_ino_t, _ name: String) throws {
     let row = try fs.requireRow(ino)
-    if name.hasPrefix(Self.prefix) { throw UbiqError.notPermitted("\(name) cannot be removed") }
+    if name.hasPrefix(Self.prefix) {
+      // Removing a control attribute resets it; status attributes are computed, so removing one
+      // is a no-op (rsync -X removes what it did not copy).
+      switch String(name.dropFirst(Self.prefix.count)) {
+      case "pinned": try fs.index.setPinned(row.id!, false)
+      case "excluded":
+        try fs.index.setExcluded(row.id!, false)
+        fs.onQueued()
+      case let key where Self.statusNames.contains(key) || key == "action": break
+      default: throw UbiqError.noData(name)
+      }
+      return
+    }
     guard name.hasPrefix("user.") else { throw UbiqError.noData(name) }
     try fs.index.removeXattr(row.id!, name)
     fs.onQueued()

@@ -45,7 +45,9 @@ extension IndexStore {
     let manifest = String(data: try JSONEncoder().encode(result.chunks), encoding: .utf8)
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db, key: inode), row.itemID == itemID else {
+        // Deleted (or re-identified) while uploading: the version just created must go too.
         try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
+        try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq])
         return
       }
       try db.execute(

@@ -36,6 +36,10 @@ extension IndexStore {
   public func applyRemote(_ r: CloudItem, uid: UInt32, gid: UInt32) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
+      // Deleted here, delete not yet done in the cloud: do not bring it back.
+      if try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE deleteItemID = ?", arguments: [r.itemID]) == true {
+        return RemoteApplyResult(outcome: .locallyModified)
+      }
       let local = try ItemRow.filter(Column("itemID") == r.itemID).fetchOne(db)
       if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
       if let local,

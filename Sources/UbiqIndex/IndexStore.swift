@@ -225,18 +225,24 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
-  /// Deletes a row and queues the cloud delete if the cloud knows the item.
+  /// Deletes a row and queues its cloud delete. The delete is queued even when the item has no
+  /// etag yet: its first upload may be in flight, and until the delete is done the pending entry
+  /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
     try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [row.id!])
-    if let etag = row.etag { try enqueueDelete(db, itemID: row.itemID, etag: etag) }
+    if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
+      try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
+    }
   }
 
-  func enqueueDelete(_ db: Database, itemID: String, etag: String) throws {
+  /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
+  /// completes later fills it in (`markUploaded`); still nil when processed means nothing to do.
+  func enqueueDelete(_ db: Database, itemID: String, etag: String?) throws {
     let now = Clock.nowNs()
     try db.execute(
       sql: """
         INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?, ?)
-        ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = excluded.deleteEtag
+        ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag)
         """, arguments: [itemID, etag, now, now + uploadDelayNs])
   }
 
@@ -266,7 +272,7 @@ public final class IndexStore: @unchecked Sendable {
     var stack = [inode]
     while let cur = stack.popLast() {
       if let row = try ItemRow.fetchOne(db, key: cur) {
-        if let etag = row.etag { try enqueueDelete(db, itemID: row.itemID, etag: etag) }
+        try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
         try db.execute(
           sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?",
           arguments: [UUID().uuidString.lowercased(), cur])
@@ -343,7 +349,7 @@ public final class IndexStore: @unchecked Sendable {
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
-            if let oldEtag = src.etag { try self.enqueueDelete(db, itemID: src.itemID, etag: oldEtag) }
+            try self.enqueueDelete(db, itemID: src.itemID, etag: src.etag)
             try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
@@ -352,8 +358,8 @@ public final class IndexStore: @unchecked Sendable {
             try db.execute(
               sql: "UPDATE items SET itemID = ?, etag = ?, chunks = ?, syncedRevision = 0 WHERE id = ?",
               arguments: [src.itemID, dstEtag, src.chunks, srcID])
-          } else if let dstEtag = dst.etag {
-            try self.enqueueDelete(db, itemID: dst.itemID, etag: dstEtag)
+          } else {
+            try self.enqueueDelete(db, itemID: dst.itemID, etag: dst.etag)
           }
         }
       }
@@ -398,12 +404,13 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Records new local content (after close/fsync of a written file): size, mtime, and a new
   /// revision queued for upload.
-  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64) throws {
+  /// `mtimeNs` nil keeps the stored mtime (it was set explicitly after the last write).
+  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64?) throws {
     try pool.write { db in
       try db.execute(
         sql: """
-          UPDATE items SET size = ?, mtimeNs = ?, ctimeNs = ?, content = ?, revision = revision + 1,
-            lastUsedNs = ? WHERE id = ?
+          UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
+            revision = revision + 1, lastUsedNs = ? WHERE id = ?
           """, arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
       if db.changesCount > 0 { try self.enqueue(db, inode) }
     }

@@ -116,6 +116,8 @@ public final class UploadWorker: @unchecked Sendable {
       if let inode = entry.item {
         try await upload(entry, inode)
       } else if let itemID = entry.deleteItemID {
+        // No etag: the item never reached the cloud (an upload would have filled it in).
+        guard entry.deleteEtag != nil else { return try index.markDone(seq: entry.seq) }
         do {
           _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
         } catch CloudError.notFound {

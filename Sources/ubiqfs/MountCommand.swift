@@ -79,6 +79,8 @@ struct MountCommand: ParsableCommand {
   /// Starts `ubiqfs mount --foreground ...` detached (new session, output to the container's
   /// daemon.log) and returns once the kernel shows the mount, or fails with the daemon's error.
   func startInBackground(container: ContainerID, mountpoint: String) throws {
+    // Checked here too: an existing mount at MOUNTPOINT would look like success below.
+    if MountTable.isMounted(mountpoint) { throw UbiqError.busy("\(mountpoint) is already a mount point") }
     let paths = location.paths
     let dir = paths.containerDir(account: "local", container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)

@@ -40,4 +40,22 @@ func cli(_ body: () throws -> Void) throws {
   }
 }
 
-Ubiqfs.main(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))
+/// Parses and runs; usage errors print one `ubiqfs: ...` line (help still prints in full).
+func runCLI() -> Never {
+  do {
+    var command = try Ubiqfs.parseAsRoot(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))
+    try command.run()
+    exit(0)
+  } catch {
+    let code = Ubiqfs.exitCode(for: error)
+    if code == .success || error is CleanExit {
+      Ubiqfs.exit(withError: error)
+    }
+    if error is ExitCode { exit(code.rawValue) }
+    let message = Ubiqfs.message(for: error).split(separator: "\n").first.map(String.init) ?? "\(error)"
+    eprint("ubiqfs: \(message.replacingOccurrences(of: "Error: ", with: "")) (see 'ubiqfs --help')")
+    exit(code.rawValue)
+  }
+}
+
+runCLI()
