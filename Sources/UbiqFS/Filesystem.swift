@@ -46,6 +46,8 @@ public final class UbiqFilesystem: @unchecked Sendable {
   /// Set by the session: tells the kernel to forget cached attributes/pages of an inode and
   /// cached (parent, name) entries.
   var invalidate: (_ inode: Int64?, _ entries: [(Int64, String)]) -> Void = { _, _ in }
+  /// Set by the session: the kernel forgets cached attributes of an inode, keeping its pages.
+  var invalidateAttributes: (Int64) -> Void = { _ in }
   /// Called after something was queued for upload.
   var onQueued: () -> Void = {}
   /// Percent uploaded of an item whose upload is in flight.
@@ -402,8 +404,10 @@ public final class UbiqFilesystem: @unchecked Sendable {
         offset = 2
       }
       var after = offset - 2
+      // Fetch about as many rows as fit in the kernel's buffer (often one page).
+      let batch = max(16, min(1024, size / (plus ? 120 : 24) + 1))
       outer: while true {
-        let rows = try index.children(of: Int64(ino), after: after, limit: 256)
+        let rows = try index.children(of: Int64(ino), after: after, limit: batch)
         if rows.isEmpty { break }
         for row in rows {
           let st = stat(for: row)
@@ -620,7 +624,9 @@ extension UbiqFilesystem {
   func evict(_ row: ItemRow) throws {
     guard row.kind == .file else { return }
     let inode = row.id!
+    if row.content == .dataless { return }
     try coordinator.withInodeLock(inode) {
+      if downloader?.isDownloading(inode) == true { throw UbiqError.busy("\(row.name) is being downloaded") }
       if handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
       if row.pinned { throw UbiqError.busy("\(row.name) is pinned") }
       guard try index.markEvicted(inode) else {
@@ -628,7 +634,8 @@ extension UbiqFilesystem {
       }
       if row.size > 0 { cache.remove(inode) }
     }
-    invalidate(inode, [])
+    // Same bytes, different st_blocks: cached pages stay valid.
+    invalidateAttributes(inode)
   }
 }
 
@@ -657,4 +664,9 @@ extension UbiqFilesystem {
     }
     return freed
   }
+}
+
+extension UbiqFilesystem {
+  /// Tells the kernel that attributes it may have cached changed outside its view.
+  public func attributesChanged(_ inode: Int64) { invalidateAttributes(inode) }
 }

@@ -39,6 +39,13 @@ public final class FuseSession: @unchecked Sendable {
     }
     session = se
     fs.invalidate = { [weak self] inode, entries in self?.invalidate(inode, entries) }
+    fs.invalidateAttributes = { [weak self] inode in self?.invalidateAttributes(inode) }
+  }
+
+  /// Tells the kernel to forget the cached attributes (not the pages) of `inode`.
+  func invalidateAttributes(_ inode: Int64) {
+    guard let se = lock.withLock({ unmounted ? nil : session }) else { return }
+    _ = fuse_lowlevel_notify_inval_inode(se, fuse_ino_t(inode), -1, 0)
   }
 
   /// Tells the kernel to forget what it cached about `inode` and the given directory entries.

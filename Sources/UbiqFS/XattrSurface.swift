@@ -54,6 +54,9 @@ struct XattrSurface {
   }
 
   func get(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: String, _ size: Int) throws {
+    // security.*, system.*, trusted.* are never stored; answer without touching the index
+    // (the kernel asks for security.capability before writes, ls for ACLs and labels).
+    guard name.hasPrefix("user.") else { throw UbiqError.noData(name) }
     let row = try fs.requireRow(ino)
     let value: Data
     if name.hasPrefix(Self.prefix) {

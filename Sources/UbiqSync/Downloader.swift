@@ -140,6 +140,8 @@ public final class Downloader: @unchecked Sendable {
   public var stallTimeoutNs: UInt64 = 15_000_000_000
   /// Optional bandwidth cap for downloads.
   public var limiter: RateLimiter?
+  /// Called when a file's content became fully cached (its st_blocks changed).
+  public var onCached: (Int64) -> Void = { _ in }
   private let lock = NSLock()
   private var streams: [Int64: ContentStream] = [:]
   private var failures: [Int64: String] = [:]
@@ -211,7 +213,10 @@ public final class Downloader: @unchecked Sendable {
       lock.withLock { failures[s.inode] = e.description }
     } else {
       ok = (try? index.markCached(s.inode, etag: s.etag)) ?? false
-      if ok { log.debug("downloaded \(name) (\(s.size) bytes)") }
+      if ok {
+        log.debug("downloaded \(name) (\(s.size) bytes)")
+        onCached(s.inode)
+      }
     }
     s.markFinished()
     lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } }
@@ -318,10 +323,13 @@ public final class ChangePuller: @unchecked Sendable {
         deferred = still
       }
       token = batch.token
-      try index.setChangeToken(token)
+      // Never move the token past an item still waiting for its parent: the next pull sees it
+      // again (re-applying what was applied is a no-op, the etags match).
+      let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
+      try index.setChangeToken(safe)
       if !batch.hasMore { break }
     }
-    if !deferred.isEmpty { log.warning("\(deferred.count) remote items have no known parent") }
+    if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
     if !effective.isEmpty { onApplied(effective) }
     return effective

@@ -74,6 +74,7 @@ final class Daemon {
     let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
     if downloadLimitBytes > 0 { downloader.limiter = RateLimiter(bytesPerSecond: downloadLimitBytes) }
     fs.downloader = downloader
+    downloader.onCached = { [weak fs] inode in fs?.attributesChanged(inode) }
     let puller = ChangePuller(
       index: index, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(), gid: getgid(),
       logger: log)
