@@ -84,3 +84,48 @@ def test_repeated_saves_coalesce_into_newest(ubiq):
     assert sha256(versions[-1]) in hashes
     # Only the newest content travelled.
     assert not any(sha256(v) in hashes for v in versions[:-1])
+
+
+def test_crash_kill_loop_loses_no_closed_write(ubiq):
+    """Rounds of: write files (closed, some fsynced, some large enough to be mid-upload),
+    SIGKILL the daemon at a random moment, clean the stale mount, remount. At the end every
+    closed file is in the cloud with the right bytes."""
+    import random
+    import signal
+    import subprocess
+
+    from conftest import ubiq_mounts
+
+    rng = random.Random(1234)
+    expected: dict[str, bytes] = {}
+    for round_ in range(8):
+        for i in range(rng.randint(3, 8)):
+            name = f"r{round_}-{i}.bin"
+            data = os.urandom(rng.choice([1000, 300_000, 3_000_000]))
+            with open(ubiq.docs / name, "wb") as fh:
+                fh.write(data)
+                if rng.random() < 0.5:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            expected[name] = data
+        # Overwrite an earlier file now and then: the newest closed version must win.
+        if expected and rng.random() < 0.7:
+            name = rng.choice(sorted(expected))
+            data = os.urandom(rng.choice([2000, 500_000]))
+            (ubiq.docs / name).write_bytes(data)
+            expected[name] = data
+        time.sleep(rng.uniform(0.0, 0.8))
+        pid = int(ubiq.daemon_record()["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z",
+                 what="daemon to die")
+        subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
+        assert str(ubiq.mnt) not in ubiq_mounts()
+        ubiq.mount()
+        for name, data in expected.items():
+            assert sha256_file(ubiq.docs / name) == sha256(data), f"{name} changed after crash round {round_}"
+    ubiq.sync(timeout=60)
+    for name, data in expected.items():
+        path = ubiq.docs / name
+        assert sha256(ubiq.cloud_content(ubiq.item_id(path))) == sha256(data), name
+    assert ubiq.status()[0]["queue"]["pendingItems"] == 0
