@@ -72,6 +72,24 @@ public struct ChunkRef: Codable, Hashable, Sendable {
   }
 }
 
+/// A version of a file kept after a conflict (NSFileVersion's unresolved conflict version):
+/// the content that lost the tie-break, still readable until resolved.
+public struct ConflictVersion: Codable, Equatable, Sendable {
+  /// Identifies the version for `ubiqfs versions --cat` / `resolve --keep`.
+  public var versionID: String
+  public var deviceID: String
+  public var mtimeNs: Int64
+  public var size: Int64
+  public var chunks: [ChunkRef]
+  public init(versionID: String, deviceID: String, mtimeNs: Int64, size: Int64, chunks: [ChunkRef]) {
+    self.versionID = versionID
+    self.deviceID = deviceID
+    self.mtimeNs = mtimeNs
+    self.size = size
+    self.chunks = chunks
+  }
+}
+
 /// The cloud's record of one item (file, directory or symlink) in a container.
 public struct CloudItem: Codable, Equatable, Sendable {
   public var itemID: String
@@ -92,6 +110,8 @@ public struct CloudItem: Codable, Equatable, Sendable {
   public var changeSeq: Int64
   /// The device that wrote this version.
   public var deviceID: String
+  /// Unresolved conflict versions (files only); nil or empty when there are none.
+  public var conflicts: [ConflictVersion]?
 
   public init(
     itemID: String, parentID: String?, name: String, kind: ItemKind, mode: UInt32, size: Int64,
@@ -112,6 +132,13 @@ public struct CloudItem: Codable, Equatable, Sendable {
     self.deleted = deleted
     self.changeSeq = changeSeq
     self.deviceID = deviceID
+  }
+
+  /// The tie-break between two versions of one item that both changed the content: the newest
+  /// mtime wins, then the greater device id. Every device computes the same answer.
+  public static func wins(mtimeNs: Int64, deviceID: String, over other: (mtimeNs: Int64, deviceID: String)) -> Bool {
+    if mtimeNs != other.mtimeNs { return mtimeNs > other.mtimeNs }
+    return deviceID > other.deviceID
   }
 }
 

@@ -43,7 +43,7 @@ struct XattrSurface {
     case "upload_error":
       guard let e = entry, let msg = e.lastError else { return nil }
       return msg
-    case "conflicts": return "0"
+    case "conflicts": return String(row.conflictList.count)
     case "etag": return row.etag
     case "item_id": return row.itemID
     case "container": return fs.container.rawValue
@@ -120,6 +120,8 @@ struct XattrSurface {
         fs.onQueued()
       case "action":
         try fs.perform(action: text, on: row)
+      case "resolve":
+        try fs.resolve(row, keep: text)
       default:
         if Self.statusNames.contains(key) { return }
         throw UbiqError.notSupported("unknown ubiqfs attribute \(name)")
@@ -201,5 +203,22 @@ extension UbiqFilesystem {
       try xattrSurface.remove(ino, self.name(name))
       _ = fuse_reply_err(req, 0)
     } catch { reply(req, error: error) }
+  }
+}
+
+extension UbiqFilesystem {
+  /// `user.ubiq.resolve` = current | VERSION: resolves an item's conflict versions.
+  func resolve(_ row: ItemRow, keep: String) throws {
+    guard row.kind == .file else { throw UbiqError.invalidArgument("only files have versions") }
+    guard !keep.isEmpty else { throw UbiqError.invalidArgument("user.ubiq.resolve takes 'current' or a version id") }
+    let inode = row.id!
+    try coordinator.withInodeLock(inode) {
+      if keep != "current" && handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
+      if try index.resolveConflicts(inode, keep: keep == "current" ? nil : keep) {
+        cache.remove(inode)
+      }
+    }
+    onQueued()
+    invalidate(inode, [])
   }
 }

@@ -51,8 +51,11 @@ extension IndexStore {
         return
       }
       try db.execute(
-        sql: "UPDATE items SET etag = ?, chunks = ?, syncedRevision = ? WHERE id = ?",
-        arguments: [result.etag, manifest, revision, inode])
+        sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
+        arguments: [
+          result.etag, manifest, ItemRow.json(result), result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
+          revision, inode,
+        ])
       if row.revision == revision {
         try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq])
       } else {

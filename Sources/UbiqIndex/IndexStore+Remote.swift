@@ -61,47 +61,94 @@ extension IndexStore {
         return RemoteApplyResult(
           outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
       }
-      guard let parentItemID = r.parentID,
-        let parent = try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE itemID = ?", arguments: [parentItemID])
-      else { return RemoteApplyResult(outcome: .deferred) }
-      // A name taken by a different item gets "name 2", "name 3", ...
-      var name = r.name
-      var n = 2
-      while let other = try Self.childID(db, parent, name), other != local?.id {
-        name = ItemName.numbered(r.name, n)
-        n += 1
+      return try self.applyRecord(db, r, to: local, uid: uid, gid: gid)
+    }
+  }
+
+  /// Makes the local row of `r.itemID` (or a new row) match the cloud record `r`: parent, name
+  /// (resolving name collisions), attributes, xattrs, content state, base and conflicts.
+  /// `localChunks`: what the cache holds if it differs from the row's manifest (after a merge).
+  func applyRecord(
+    _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil
+  ) throws -> RemoteApplyResult {
+    guard let parentItemID = r.parentID,
+      let parent = try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE itemID = ?", arguments: [parentItemID])
+    else { return RemoteApplyResult(outcome: .deferred) }
+    var stale: [(Int64, String)] = []
+    // Two items want one name: the one that reached the cloud later (or not yet) yields and
+    // becomes "name 2.ext". Every device applies the same rule, so all converge.
+    var name = r.name
+    if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
+      let other = try ItemRow.fetchOne(db, key: otherID)
+    {
+      let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
+      if otherSeq > r.changeSeq {
+        let moved = try Self.freeName(db, parent, other.name)
+        try db.execute(
+          sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+          arguments: [moved, Clock.nowNs(), otherID])
+        try self.enqueue(db, otherID)
+        stale += [(parent, other.name), (parent, moved)]
+      } else {
+        name = try Self.freeName(db, parent, r.name, except: local?.id)
       }
-      let manifest = String(data: try JSONEncoder().encode(r.chunks), encoding: .utf8)
-      var stale: [(Int64, String)] = []
-      if var row = local {
-        let contentChanged = row.kind == .file && row.chunkList != r.chunks
-        if row.parent != parent || row.name != name {
-          if let p = row.parent { stale.append((p, row.name)) }
-          stale.append((parent, name))
-        }
-        row.parent = parent
-        row.name = name
-        row.mode = r.mode
-        row.mtimeNs = r.mtimeNs
-        row.ctimeNs = Clock.nowNs()
-        row.size = r.size
-        row.symlinkTarget = r.symlinkTarget
-        row.etag = r.etag
-        row.chunks = manifest
-        if contentChanged { row.content = r.size == 0 ? .cached : .dataless }
-        row.syncedRevision = row.revision
-        try row.update(db)
-        try Self.replaceXattrs(db, row.id!, r.xattrs)
-        return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
+    }
+    let manifest = ItemRow.json(r.chunks)
+    let conflicts = r.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) }
+    if var row = local {
+      let contentChanged = row.kind == .file && (localChunks ?? row.chunkList) != r.chunks
+      if row.parent != parent || row.name != name {
+        if let p = row.parent { stale.append((p, row.name)) }
+        stale.append((parent, name))
       }
-      var row = ItemRow(
-        itemID: r.itemID, parent: parent, name: name, kind: r.kind, mode: r.mode, uid: uid, gid: gid, size: r.size,
-        mtimeNs: r.mtimeNs, symlinkTarget: r.symlinkTarget, etag: r.etag,
-        content: (r.kind == .file && r.size > 0) ? .dataless : .cached)
+      row.parent = parent
+      row.name = name
+      row.mode = r.mode
+      row.mtimeNs = r.mtimeNs
+      row.ctimeNs = Clock.nowNs()
+      row.size = r.size
+      row.symlinkTarget = r.symlinkTarget
+      row.etag = r.etag
       row.chunks = manifest
-      try row.insert(db)
+      row.base = ItemRow.json(r)
+      row.conflicts = conflicts
+      if contentChanged { row.content = r.size == 0 ? .cached : .dataless }
+      row.syncedRevision = row.revision
+      try row.update(db)
       try Self.replaceXattrs(db, row.id!, r.xattrs)
-      return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: [(parent, name)])
+      return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
+    }
+    var row = ItemRow(
+      itemID: r.itemID, parent: parent, name: name, kind: r.kind, mode: r.mode, uid: uid, gid: gid, size: r.size,
+      mtimeNs: r.mtimeNs, symlinkTarget: r.symlinkTarget, etag: r.etag,
+      content: (r.kind == .file && r.size > 0) ? .dataless : .cached)
+    row.chunks = manifest
+    row.base = ItemRow.json(r)
+    row.conflicts = conflicts
+    try row.insert(db)
+    try Self.replaceXattrs(db, row.id!, r.xattrs)
+    return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
+  }
+
+  /// "name 2.ext", "name 3.ext", ...: the first that is free in `parent`.
+  static func freeName(_ db: Database, _ parent: Int64, _ name: String, except: Int64? = nil) throws -> String {
+    var n = 2
+    var candidate = ItemName.numbered(name, n)
+    while let other = try childID(db, parent, candidate), other != except {
+      n += 1
+      candidate = ItemName.numbered(name, n)
+    }
+    return candidate
+  }
+
+  /// After the uploader merged a conflict and committed `merged`, makes the local row match it
+  /// (the row keeps its revision, so a newer local change still uploads).
+  public func adoptMerged(_ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef]) throws -> RemoteApplyResult {
+    try pool.write { db in
+      guard let row = try ItemRow.fetchOne(db, key: inode), row.itemID == merged.itemID else {
+        return RemoteApplyResult(outcome: .unchanged)
+      }
+      return try self.applyRecord(db, merged, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
     }
   }
 
@@ -166,6 +213,41 @@ extension IndexStore {
       for (inode, ns) in uses {
         try db.execute(sql: "UPDATE items SET lastUsedNs = ? WHERE id = ?", arguments: [ns, inode])
       }
+    }
+  }
+}
+
+extension IndexStore {
+  /// Resolves an item's conflicts: keeps the current version (nil) or the conflict version
+  /// `versionID` (which becomes the current content, dataless until read) and drops the rest.
+  /// Returns true if the content changed (the cache file must go).
+  public func resolveConflicts(_ inode: Int64, keep versionID: String?) throws -> Bool {
+    try pool.write { db in
+      guard var row = try ItemRow.fetchOne(db, key: inode) else { throw UbiqError.notFound("inode \(inode)") }
+      let versions = row.conflictList
+      if versions.isEmpty && versionID == nil { return false }
+      var contentChanged = false
+      if let versionID, versionID != "current" {
+        guard let v = versions.first(where: { $0.versionID == versionID }) else {
+          throw UbiqError.notFound("no conflict version \(versionID) (see ubiqfs versions)")
+        }
+        if try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [inode]) == true,
+          row.content == .cached
+        {
+          throw UbiqError.busy("local changes are still uploading; try again when uploaded")
+        }
+        row.chunks = ItemRow.json(v.chunks)
+        row.size = v.size
+        row.mtimeNs = v.mtimeNs
+        row.content = v.size == 0 ? .cached : .dataless
+        contentChanged = true
+      }
+      row.conflicts = nil
+      row.ctimeNs = Clock.nowNs()
+      row.revision += 1
+      try row.update(db)
+      try self.enqueue(db, inode)
+      return contentChanged
     }
   }
 }

@@ -53,6 +53,10 @@ public final class IndexStore: @unchecked Sendable {
           CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
           """)
     }
+    m.registerMigration("v2-conflicts") { db in
+      try db.execute(sql: "ALTER TABLE items ADD COLUMN base TEXT")
+      try db.execute(sql: "ALTER TABLE items ADD COLUMN conflicts TEXT")
+    }
     return m
   }
 
@@ -356,8 +360,11 @@ public final class IndexStore: @unchecked Sendable {
             src.chunks = dst.chunks
             src.syncedRevision = 0
             try db.execute(
-              sql: "UPDATE items SET itemID = ?, etag = ?, chunks = ?, syncedRevision = 0 WHERE id = ?",
-              arguments: [src.itemID, dstEtag, src.chunks, srcID])
+              sql: """
+                UPDATE items SET itemID = ?, etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = 0
+                WHERE id = ?
+                """,
+              arguments: [src.itemID, dstEtag, src.chunks, dst.base, dst.conflicts, srcID])
           } else {
             try self.enqueueDelete(db, itemID: dst.itemID, etag: dst.etag)
           }

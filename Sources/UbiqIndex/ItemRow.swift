@@ -40,6 +40,10 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
   public var pinned: Bool
   public var excluded: Bool
   public var lastUsedNs: Int64
+  /// The cloud record (JSON) this item's local state is based on, for three-way merges.
+  public var base: String?
+  /// Unresolved conflict versions (JSON array of `ConflictVersion`).
+  public var conflicts: String?
 
   public var inode: UInt64 { UInt64(id ?? 0) }
   public var isDirectory: Bool { kind == .directory }
@@ -72,6 +76,22 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
     self.pinned = false
     self.excluded = false
     self.lastUsedNs = mtimeNs
+    self.base = nil
+    self.conflicts = nil
+  }
+
+  public var baseItem: CloudItem? {
+    guard let base, let d = base.data(using: .utf8) else { return nil }
+    return try? JSONDecoder().decode(CloudItem.self, from: d)
+  }
+
+  public var conflictList: [ConflictVersion] {
+    guard let conflicts, let d = conflicts.data(using: .utf8) else { return [] }
+    return (try? JSONDecoder().decode([ConflictVersion].self, from: d)) ?? []
+  }
+
+  static func json<T: Encodable>(_ v: T) -> String? {
+    (try? JSONEncoder().encode(v)).flatMap { String(data: $0, encoding: .utf8) }
   }
 
   public var chunkList: [ChunkRef] {

@@ -26,6 +26,8 @@ public final class UploadWorker: @unchecked Sendable {
   private var task: Task<Void, Never>?
   /// Bytes of chunk data sent to the cloud since start (for tests and status).
   public private(set) var bytesSent: Int64 = 0
+  /// Called after a merged version was committed and applied to the index.
+  public var onMerged: ([RemoteApplyResult]) -> Void = { _ in }
   /// Optional bandwidth cap for uploads.
   public var limiter: RateLimiter?
   /// The upload in progress, if any.
@@ -166,13 +168,33 @@ public final class UploadWorker: @unchecked Sendable {
         chunks = row.chunkList
       }
     }
-    let item = CloudItem(
+    var local = CloudItem(
       itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
       mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
       deviceID: deviceID)
-    let result = try await cloud.putItem(container, item, ifMatch: row.etag)
-    try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
-    log.debug("uploaded \(row.name) etag \(result.etag)")
+    local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
+    var item = local
+    var ifMatch = row.etag
+    var merged = false
+    for _ in 0..<8 {
+      do {
+        let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
+        if merged {
+          // The committed version mixes both sides: bring the local row in line with it.
+          let applied = try index.adoptMerged(inode, result, localChunks: chunks)
+          onMerged([applied])
+        }
+        try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
+        log.debug("uploaded \(row.name) etag \(result.etag)")
+        return
+      } catch CloudError.conflict(let current) {
+        log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
+        item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
+        ifMatch = current.etag
+        merged = true
+      }
+    }
+    throw CloudError.unavailable("\(row.name) keeps changing in the cloud; will retry")
   }
 
   /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is

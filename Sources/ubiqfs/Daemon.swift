@@ -104,6 +104,7 @@ final class Daemon {
       sources.append(src)
     }
     fs.uploadPercent = { worker.percent($0) }
+    worker.onMerged = { fs.remoteChangesApplied($0) }
     if uploadLimitBytes > 0 { worker.limiter = RateLimiter(bytesPerSecond: uploadLimitBytes) }
     // Upload progress for `ubiqfs status --watch`, written while something is in flight.
     let progressURL = dir.appendingPathComponent("progress.json")

@@ -9,7 +9,7 @@ struct Ubiqfs: ParsableCommand {
     abstract: "iCloud-style ubiquity containers for Linux.",
     subcommands: [
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
-      ContentCommand.self,
+      ContentCommand.self, VersionsCommand.self, ResolveCommand.self,
     ])
 }
 

@@ -1,0 +1,61 @@
+import Foundation
+import UbiqCore
+
+/// Three-way merge of an item after a stale-etag rejection: each field group (place, mode,
+/// xattrs, content) comes from the side that changed it since the common base. When both sides
+/// changed the content, the documented rule picks the winner (newest mtime, then device id) and
+/// the loser is kept as an unresolved conflict version, so nothing is lost.
+public enum ConflictMerge {
+  public static func merge(local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String) -> CloudItem {
+    // Edited here, deleted there: the edit wins and brings the item back.
+    if server.deleted {
+      var out = local
+      out.conflicts = server.conflicts ?? local.conflicts
+      return out
+    }
+    var out = server
+    out.deviceID = deviceID
+    let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
+    if placeChanged {
+      out.parentID = local.parentID
+      out.name = local.name
+    }
+    if base.map({ $0.mode != local.mode }) ?? true { out.mode = local.mode }
+    if base.map({ $0.xattrs != local.xattrs }) ?? true { out.xattrs = local.xattrs }
+    if local.kind == .symlink, base.map({ $0.symlinkTarget != local.symlinkTarget }) ?? true {
+      out.symlinkTarget = local.symlinkTarget
+    }
+    var conflicts = server.conflicts ?? []
+    if local.kind == .file {
+      let localChanged = base.map { $0.chunks != local.chunks } ?? true
+      let serverChanged = base.map { $0.chunks != server.chunks } ?? (server.chunks != local.chunks)
+      if localChanged && serverChanged && local.chunks != server.chunks {
+        // Our own earlier upload whose confirmation was lost (e.g. a crash): ours is newer.
+        let ownStale = base == nil && server.deviceID == deviceID
+        let localWins =
+          ownStale
+          || CloudItem.wins(
+            mtimeNs: local.mtimeNs, deviceID: deviceID, over: (server.mtimeNs, server.deviceID))
+        let loser = localWins ? server : local
+        if !ownStale {
+          conflicts.append(
+            ConflictVersion(
+              versionID: localWins ? "v\(server.etag)" : "v-\(UUID().uuidString.lowercased().prefix(12))",
+              deviceID: localWins ? server.deviceID : deviceID, mtimeNs: loser.mtimeNs, size: loser.size,
+              chunks: loser.chunks))
+        }
+        if localWins { take(local, into: &out) }
+      } else if localChanged {
+        take(local, into: &out)
+      }
+    }
+    out.conflicts = conflicts.isEmpty ? nil : conflicts
+    return out
+  }
+
+  static func take(_ local: CloudItem, into out: inout CloudItem) {
+    out.chunks = local.chunks
+    out.size = local.size
+    out.mtimeNs = local.mtimeNs
+  }
+}

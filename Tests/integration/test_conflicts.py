@@ -1,0 +1,131 @@
+"""Conflicts between two devices (two real mounts on one cloud) never lose data: concurrent
+edits keep a conflict version, edit beats delete, same-name creations become "name 2.ext",
+rename and edit both survive, a file added in a directory deleted elsewhere is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import pytest
+
+from conftest import Ubiq, _ROOTS, _teardown_root, ubiq_mounts
+from test_devices_and_content import wait_for
+
+DELAY = ["--upload-delay-ms", "1500", "--pull-interval-ms", "100"]
+
+
+@pytest.fixture
+def pair(ubiq, tmp_path_factory):
+    """Two devices of one account whose uploads wait 1.5 s, so edits can really be concurrent."""
+    ubiq.unmount()
+    ubiq.mount(*DELAY)
+    root = tmp_path_factory.mktemp("peer")
+    _ROOTS.append(root)
+    d2 = Ubiq(root)
+    d2.cloud = ubiq.cloud
+    d2.env["UBIQFS_CLOUD_DIR"] = str(ubiq.cloud)
+    try:
+        d2.mount(*DELAY)
+        yield ubiq, d2
+    finally:
+        problems = _teardown_root(d2)
+        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
+
+
+def settle(a: Ubiq, b: Ubiq, rounds: int = 2):
+    """Both devices uploaded everything and pulled each other's changes."""
+    for _ in range(rounds):
+        a.sync(timeout=60)
+        b.sync(timeout=60)
+        time.sleep(0.6)
+
+
+def read(p):
+    with open(p, "rb") as f:
+        return f.read()
+
+
+def versions(u: Ubiq, path):
+    return json.loads(u.run("versions", path, "--json").stdout)
+
+
+def test_concurrent_edits_keep_a_conflict_version(pair):
+    a, b = pair
+    (a.docs / "plan.txt").write_text("base\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "plan.txt").read_text() == "base\n", what="base on b")
+    (a.docs / "plan.txt").write_text("edit from A\n")
+    time.sleep(0.05)
+    (b.docs / "plan.txt").write_text("edit from B (newer)\n")  # newest mtime wins
+    settle(a, b)
+    for u in (a, b):
+        wait_for(lambda: read(u.docs / "plan.txt") == b"edit from B (newer)\n", what=f"winner on {u.root.name}")
+        wait_for(lambda: Ubiq.xattr(u.docs / "plan.txt", "user.ubiq.conflicts") == "1", what="conflict count")
+    vs = versions(a, a.docs / "plan.txt")
+    assert [v["current"] for v in vs] == [True, False]
+    assert versions(b, b.docs / "plan.txt")[1]["version"] == vs[1]["version"]
+    # Keep the losing version: it becomes current everywhere, the conflict is gone.
+    a.run("resolve", a.docs / "plan.txt", "--keep", vs[1]["version"])
+    settle(a, b)
+    for u in (a, b):
+        wait_for(lambda: read(u.docs / "plan.txt") == b"edit from A\n", what=f"kept version on {u.root.name}")
+        wait_for(lambda: Ubiq.xattr(u.docs / "plan.txt", "user.ubiq.conflicts") == "0", what="resolved")
+    cp = a.run("resolve", a.docs / "plan.txt", "--keep", "v-nonexistent", check=False)
+    assert cp.returncode != 0 and cp.stderr.startswith("ubiqfs:")
+
+
+def test_edit_beats_delete(pair):
+    a, b = pair
+    (a.docs / "keep.txt").write_text("v1\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "keep.txt").exists(), what="keep.txt on b")
+    os.unlink(a.docs / "keep.txt")
+    (b.docs / "keep.txt").write_text("edited on B\n")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: (u.docs / "keep.txt").exists() and read(u.docs / "keep.txt") == b"edited on B\n",
+                 what=f"edit kept on {u.root.name}")
+
+
+def test_same_new_name_on_both_devices(pair):
+    a, b = pair
+    (a.docs / "report.txt").write_text("from A\n")
+    (b.docs / "report.txt").write_text("from B\n")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["report 2.txt", "report.txt"], what=f"two names on {u.root.name}")
+    # Both devices agree which item has which name.
+    assert a.item_id(a.docs / "report.txt") == b.item_id(b.docs / "report.txt")
+    assert read(a.docs / "report.txt") == read(b.docs / "report.txt")
+    assert read(a.docs / "report 2.txt") == read(b.docs / "report 2.txt")
+    assert {read(a.docs / "report.txt"), read(a.docs / "report 2.txt")} == {b"from A\n", b"from B\n"}
+
+
+def test_rename_and_edit_both_survive(pair):
+    a, b = pair
+    (a.docs / "draft.txt").write_text("one\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "draft.txt").exists(), what="draft on b")
+    os.rename(a.docs / "draft.txt", a.docs / "final.txt")
+    (b.docs / "draft.txt").write_text("two\n")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["final.txt"], what=f"rename on {u.root.name}")
+        wait_for(lambda: read(u.docs / "final.txt") == b"two\n", what=f"edit on {u.root.name}")
+
+
+def test_file_added_in_directory_deleted_elsewhere_is_kept(pair):
+    a, b = pair
+    (a.docs / "proj").mkdir()
+    (a.docs / "proj" / "old.txt").write_text("old\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "proj" / "old.txt").exists(), what="proj on b")
+    shutil.rmtree(a.docs / "proj")
+    (b.docs / "proj" / "new.txt").write_text("new work\n")
+    settle(a, b, rounds=4)
+    for u in (a, b):
+        wait_for(lambda: (u.docs / "proj" / "new.txt").exists(), timeout=15, what=f"new.txt kept on {u.root.name}")
+        assert read(u.docs / "proj" / "new.txt") == b"new work\n"
