@@ -13,8 +13,8 @@ import UbiqSync
 /// Tunables of a mount.
 public struct MountOptions: Sendable {
   /// How long the kernel may cache entries and attributes, in seconds.
-  public var attrTimeout: Double = 1.0
-  public var entryTimeout: Double = 1.0
+  public var attrTimeout: Double = 10.0
+  public var entryTimeout: Double = 10.0
   public var maxThreads: Int = 16
   public var debug = false
   /// Content cache budget in bytes (0: no limit) and the free space to keep on the cache's disk.
