@@ -38,7 +38,9 @@ final class Daemon {
   }
 
   func run() throws -> Int32 {
-    let account = "local"
+    // The signed-in server account (HTTPCloud), or the embedded engine's "local" account.
+    let cloudSession = try CloudSession.open(paths)
+    let account = cloudSession.account
     let dir = paths.containerDir(account: account, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
     try checkMountpoint()
@@ -56,7 +58,7 @@ final class Daemon {
     try index.bootstrap(uid: getuid(), gid: getgid())
     let deviceID = try index.deviceID()
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
-    let cloud = try CloudEngine.embedded(directory: paths.cloudDir, account: account)
+    let cloud = try cloudSession.makeCloud()
     try runBlocking { try await cloud.ensureContainer(self.container) }
     try adoptWellKnownEtags(index: index, cloud: cloud)
 

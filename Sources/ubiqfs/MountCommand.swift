@@ -72,7 +72,7 @@ struct MountCommand: ParsableCommand {
   /// daemon.log) and returns once the kernel shows the mount, or fails with the daemon's error.
   func startInBackground(container: ContainerID, mountpoint: String) throws {
     let paths = location.paths
-    let dir = paths.containerDir(account: "local", container)
+    let dir = paths.containerDir(account: paths.activeAccount, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
     let logPath = dir.appendingPathComponent("daemon.log").path
     var args = [

@@ -10,6 +10,8 @@ struct Ubiqfs: ParsableCommand {
     subcommands: [
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
       ContentCommand.self,
+      // Server and accounts (issue 5).
+      ServeCommand.self, ServerCommand.self, AccountCommand.self,
     ])
 }
 
