@@ -40,7 +40,7 @@ public struct APIError: Error, Sendable {
     let body = Body(error: message, code: code, current: current, missing: missing, usage: usage, errno: errno)
     var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
     if status == .unauthorized { headers[.wwwAuthenticate] = "Bearer realm=\"ubiqfs\"" }
-    let data = (try? JSONEncoder().encode(body)) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
+    let data = (try? HTTPHelpers.encoder.encode(body)) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
     return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
   }
 
