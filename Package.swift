@@ -91,8 +91,14 @@ let package = Package(
       ]),
     .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
     .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
+    .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
     .testTarget(
-      name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale", "UbiqHTTPClient"]),
+      name: "UbiqServerTests",
+      dependencies: [
+        "UbiqCore", "UbiqCloud", "UbiqServer", "UbiqHTTPClient",
+        .product(name: "Hummingbird", package: "hummingbird"),
+        .product(name: "Logging", package: "swift-log"),
+      ]),
   ],
   swiftLanguageModes: [.v5]
 )

@@ -14,7 +14,8 @@ public enum AccountName {
       !name.hasPrefix("."), !name.hasPrefix("-")
     else {
       throw CloudError.invalid(
-        "account name '\(name)' must be 1-64 characters of letters, digits, '.', '-', '_' (not starting with '.' or '-')")
+        "account name '\(name)' must be 1-64 characters of letters, digits, '.', '-', '_' (not starting with '.' or '-')"
+      )
     }
     if name == local { throw CloudError.invalid("'local' is reserved for the embedded cloud") }
   }

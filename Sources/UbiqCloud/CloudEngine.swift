@@ -113,7 +113,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   }
 
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try await metadata.changes(account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
+    try await metadata.changes(
+      account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
   }
 
   /// The newest change sequence number of a container (0 if it has none).
@@ -152,7 +153,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
         throw KeyValueError.quotaViolation("one entry of \(cost) bytes exceeds \(kvLimits.maxTotalBytes) bytes")
       }
     }
-    return try await kvStorage().kvWrite(account: account, container: container.rawValue, write: write, limits: kvLimits)
+    return try await kvStorage().kvWrite(
+      account: account, container: container.rawValue, write: write, limits: kvLimits)
   }
 
   func kvStorage() throws -> KeyValueStorage {

@@ -311,7 +311,8 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           """, arguments: [account, container, since])
       let totals = try Row.fetchOne(
         db,
-        sql: "SELECT COALESCE(SUM(cost), 0) AS used, COUNT(*) AS n FROM kv WHERE account = ? AND container = ? AND value IS NOT NULL",
+        sql:
+          "SELECT COALESCE(SUM(cost), 0) AS used, COUNT(*) AS n FROM kv WHERE account = ? AND container = ? AND value IS NOT NULL",
         arguments: [account, container])!
       return KVSnapshot(
         entries: try rows.map(Self.kvEntry), token: head["kvSeq"], usedBytes: totals["used"], keyCount: totals["n"])

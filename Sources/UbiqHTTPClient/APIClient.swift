@@ -40,7 +40,8 @@ public struct APIClient: Sendable {
 
   /// Percent-encodes one path segment (RFC 3986 unreserved characters stay as they are).
   public static func segment(_ s: String) -> String {
-    var allowed = CharacterSet.alphanumerics.intersection(CharacterSet(charactersIn: Unicode.Scalar(0)..<Unicode.Scalar(128)))
+    var allowed = CharacterSet.alphanumerics.intersection(
+      CharacterSet(charactersIn: Unicode.Scalar(0)..<Unicode.Scalar(128)))
     allowed.insert(charactersIn: "-._~")
     return s.addingPercentEncoding(withAllowedCharacters: allowed) ?? s
   }

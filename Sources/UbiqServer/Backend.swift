@@ -16,11 +16,12 @@ public enum StorageConfig: Sendable {
     switch self {
     case .embedded(let dir): return "embedded (SQLite + blob folder in \(dir.path))"
     case .scaleOut(let url, let s3):
-      let safe = (URLComponents(string: url).map { c -> String in
-        var c = c
-        if c.password != nil { c.password = "***" }
-        return c.string ?? "postgres://..."
-      }) ?? "postgres://..."
+      let safe =
+        (URLComponents(string: url).map { c -> String in
+          var c = c
+          if c.password != nil { c.password = "***" }
+          return c.string ?? "postgres://..."
+        }) ?? "postgres://..."
       return "scale-out (PostgreSQL \(safe), S3 \(s3.endpoint)/\(s3.bucket))"
     }
   }

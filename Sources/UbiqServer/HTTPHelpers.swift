@@ -40,9 +40,11 @@ enum HTTPHelpers {
     } catch let DecodingError.keyNotFound(key, _) {
       throw APIError.badRequest("bad_json", "missing field '\(key.stringValue)'")
     } catch let DecodingError.typeMismatch(_, ctx) {
-      throw APIError.badRequest("bad_json", "wrong type at '\(ctx.codingPath.map(\.stringValue).joined(separator: "."))'")
+      throw APIError.badRequest(
+        "bad_json", "wrong type at '\(ctx.codingPath.map(\.stringValue).joined(separator: "."))'")
     } catch let DecodingError.valueNotFound(_, ctx) {
-      throw APIError.badRequest("bad_json", "missing value at '\(ctx.codingPath.map(\.stringValue).joined(separator: "."))'")
+      throw APIError.badRequest(
+        "bad_json", "missing value at '\(ctx.codingPath.map(\.stringValue).joined(separator: "."))'")
     } catch {
       throw APIError.badRequest("bad_json", "the request body is not valid JSON for \(T.self)")
     }

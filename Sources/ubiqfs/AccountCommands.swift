@@ -99,7 +99,11 @@ struct AccountCommand: ParsableCommand {
         let paths = location.paths
         guard let config = try AccountConfig.load(paths) else {
           let r = Report(signedIn: false, account: AccountName.local)
-          if json { try printJSON(r) } else { print("not signed in: mounts use the embedded cloud (\(paths.cloudDir.path))") }
+          if json {
+            try printJSON(r)
+          } else {
+            print("not signed in: mounts use the embedded cloud (\(paths.cloudDir.path))")
+          }
           return
         }
         var r = Report(signedIn: true, server: config.server, account: config.account, device: config.device)
@@ -113,7 +117,10 @@ struct AccountCommand: ParsableCommand {
           r.reachable = false
           r.error = "\(error)"
         }
-        if json { try printJSON(r); return }
+        if json {
+          try printJSON(r)
+          return
+        }
         print("account \(config.account) at \(config.server) (device \(config.device))")
         if r.reachable == true {
           let quota = r.quotaBytes! > 0 ? formatBytes(r.quotaBytes!) : "unlimited"

@@ -59,7 +59,12 @@ final class Daemon {
     let deviceID = try index.deviceID()
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
     let cloud = try cloudSession.makeCloud()
-    try runBlocking { try await cloud.ensureContainer(self.container) }
+    do {
+      try runBlocking { try await cloud.ensureContainer(self.container) }
+    } catch CloudError.unavailable(let why) where ((try? index.changeToken()) ?? 0) > 0 {
+      // A server account that synced before mounts offline; queued work uploads once it is back.
+      log.warning("cloud unavailable (\(why)); mounting from the local index")
+    }
     try adoptWellKnownEtags(index: index, cloud: cloud)
 
     let coordinator = WriteCoordinator()

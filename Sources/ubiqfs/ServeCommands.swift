@@ -47,7 +47,8 @@ struct StorageOptions: ParsableArguments {
         postgresURL: pg,
         s3: S3Config(
           endpoint: endpoint!, bucket: bucket!, accessKey: access!, secretKey: secret!,
-          region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""))
+          region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""
+        ))
     }
     let dir =
       pick(data, "UBIQFS_SERVER_DIR") ?? (Paths(stateDir: stateDir, cloudDir: nil).stateRoot.path + "/server")

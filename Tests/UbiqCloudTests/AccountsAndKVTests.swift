@@ -56,10 +56,12 @@ final class AccountsAndKVTests: XCTestCase {
     let engine = CloudEngine(account: "alice", metadata: s, blobs: try FolderBlobStore(root: dir))
     try await s.createAccount("alice", quotaBytes: 0)
     try await engine.ensureContainer(container)
-    let w1 = try await engine.kvWrite(container, KVWrite(key: "color", value: .string("blue"), timestamp: 10, device: "a"))
+    let w1 = try await engine.kvWrite(
+      container, KVWrite(key: "color", value: .string("blue"), timestamp: 10, device: "a"))
     XCTAssertTrue(w1.applied)
     // An older write loses and reports the winner.
-    let w0 = try await engine.kvWrite(container, KVWrite(key: "color", value: .string("red"), timestamp: 5, device: "b"))
+    let w0 = try await engine.kvWrite(
+      container, KVWrite(key: "color", value: .string("red"), timestamp: 5, device: "b"))
     XCTAssertFalse(w0.applied)
     XCTAssertEqual(w0.entry.value, .string("blue"))
     // A newer remove wins; an older set cannot bring the key back.
