@@ -44,7 +44,11 @@ public struct Backend: Sendable {
       let blobs = try FolderBlobStore(root: dir.appendingPathComponent("blobs"))
       return try await body(Backend(metadata: meta, blobs: blobs))
     case .scaleOut(let url, let s3):
-      let store = try PostgresMetadataStore(url: url, logger: logger)
+      // The pool's own chatter (e.g. a lease racing run() at start-up) stays out of the log;
+      // failures still surface as errors of the queries that hit them.
+      var poolLogger = logger
+      poolLogger.logLevel = .error
+      let store = try PostgresMetadataStore(url: url, logger: poolLogger)
       let http = HTTPClient(
         eventLoopGroupProvider: .singleton,
         configuration: .init(timeout: .init(connect: .seconds(5), read: .seconds(60))))
