@@ -28,17 +28,23 @@ public struct UbiqRequestContext: RequestContext {
 struct AuthMiddleware: RouterMiddleware {
   typealias Context = UbiqRequestContext
   let accounts: AccountStore
+  let metrics: ServerMetrics
 
   func handle(
     _ request: Request, context: UbiqRequestContext,
     next: (Request, UbiqRequestContext) async throws -> Response
   ) async throws -> Response {
-    guard let header = request.headers[.authorization] else { throw APIError.unauthorized("missing bearer token") }
+    guard let header = request.headers[.authorization] else {
+      metrics.authFailures.increment()
+      throw APIError.unauthorized("missing bearer token")
+    }
     let parts = header.split(separator: " ", maxSplits: 1)
     guard parts.count == 2, parts[0].lowercased() == "bearer", !parts[1].isEmpty, parts[1].utf8.count <= 256 else {
+      metrics.authFailures.increment()
       throw APIError.unauthorized("the Authorization header must be 'Bearer <token>'")
     }
     guard let record = try await accounts.token(hash: BearerToken.hash(String(parts[1]))) else {
+      metrics.authFailures.increment()
       throw APIError.unauthorized("unknown or revoked token")
     }
     var context = context

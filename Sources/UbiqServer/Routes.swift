@@ -23,7 +23,7 @@ struct APIRoutes: Sendable {
   }
 
   func register(on router: Router<Ctx>) {
-    let v1 = router.group("v1").add(middleware: AuthMiddleware(accounts: backend.metadata))
+    let v1 = router.group("v1").add(middleware: AuthMiddleware(accounts: backend.metadata, metrics: metrics))
     // Account and devices.
     v1.get("account", use: account)
     v1.get("usage", use: usage)

@@ -54,9 +54,14 @@ def error(r, status: int, code: str):
 def test_health_and_metrics_need_no_token(server):
     a = Api(server.url)
     assert a.get("/healthz").status == 200
+    assert a.get("/v1/usage").status == 401
     r = a.get("/metrics")
     assert r.status == 200
-    assert "ubiq_chunk_bytes_uploaded_total" in r.body.decode()
+    text = r.body.decode()
+    assert "ubiq_chunk_bytes_uploaded_total" in text
+    assert "http_server_request_duration" in text
+    failures = [ln for ln in text.splitlines() if ln.startswith("ubiq_auth_failures_total ")]
+    assert failures and float(failures[0].split()[1]) >= 1
 
 
 def test_missing_bad_and_revoked_tokens_get_401(storage, server, api):
