@@ -395,6 +395,20 @@ class Ubiq:
         """Where the embedded engine (also behind UBIQFS_TEST_CLOUD=server) keeps a chunk."""
         return self.cloud / "blobs" / self.account / digest[:2] / digest
 
+    def stored_chunks(self) -> dict[str, int]:
+        """hash -> size of every chunk the cloud stores for this account (any cloud mode)."""
+        if CLOUD_MODE != "server-scale":
+            root = self.cloud / "blobs" / self.account
+            return {p.name: p.stat().st_size for p in root.rglob("*") if p.is_file() and ".tmp." not in p.name}
+        self.ensure_cloud()
+        pg = _SCALE["stack"].pg
+        out = subprocess.run(
+            ["psql", "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres", "-d", "ubiq", "-At", "-F", " ", "-c",
+             f"SELECT hash, size FROM chunks WHERE account = '{self.account}'"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+        return {h: int(n) for h, n in (line.split() for line in out.splitlines() if line.strip())}
+
     def cloud_content(self, item_id: str, container: str | None = None) -> bytes:
         """The bytes the cloud holds for a file: its chunks' blobs, concatenated."""
         item = self.cloud_item(item_id, container)
