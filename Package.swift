@@ -12,6 +12,14 @@ let package = Package(
     .package(url: "https://github.com/apple/swift-argument-parser", from: "1.8.2"),
     .package(url: "https://github.com/apple/swift-log", from: "1.16.2"),
     .package(url: "https://github.com/apple/swift-crypto", from: "3.12.3"),
+    // Server and scale-out engines (issue 5).
+    .package(url: "https://github.com/hummingbird-project/hummingbird", from: "2.28.1"),
+    .package(url: "https://github.com/swift-server/async-http-client", from: "1.37.0"),
+    .package(url: "https://github.com/vapor/postgres-nio", from: "1.33.2"),
+    .package(url: "https://github.com/swift-server/swift-service-lifecycle", from: "2.13.0"),
+    .package(url: "https://github.com/apple/swift-metrics", from: "2.13.0"),
+    .package(url: "https://github.com/swift-server/swift-prometheus", from: "2.4.1"),
+    .package(url: "https://github.com/apple/swift-nio", from: "2.101.0"),
   ],
   targets: [
     .systemLibrary(name: "CFuse3", pkgConfig: "fuse3", providers: [.apt(["libfuse3-dev"])]),
@@ -26,6 +34,41 @@ let package = Package(
       dependencies: [
         "UbiqCore", .product(name: "GRDB", package: "GRDB.swift"),
         .product(name: "Crypto", package: "swift-crypto"),
+      ]),
+    // Scale-out engines: PostgreSQL metadata, S3 chunks (SigV4).
+    .target(
+      name: "UbiqCloudScale",
+      dependencies: [
+        "UbiqCore", "UbiqCloud",
+        .product(name: "PostgresNIO", package: "postgres-nio"),
+        .product(name: "AsyncHTTPClient", package: "async-http-client"),
+        .product(name: "NIOCore", package: "swift-nio"),
+        .product(name: "NIOHTTP1", package: "swift-nio"),
+        .product(name: "NIOFoundationCompat", package: "swift-nio"),
+        .product(name: "Crypto", package: "swift-crypto"),
+        .product(name: "Logging", package: "swift-log"),
+      ]),
+    // The client of `ubiqfs serve`: HTTPCloud (CloudService) and HTTPKeyValue (KeyValueService).
+    .target(
+      name: "UbiqHTTPClient",
+      dependencies: [
+        "UbiqCore", "UbiqCloud",
+        .product(name: "AsyncHTTPClient", package: "async-http-client"),
+        .product(name: "NIOCore", package: "swift-nio"),
+        .product(name: "NIOHTTP1", package: "swift-nio"),
+        .product(name: "NIOFoundationCompat", package: "swift-nio"),
+      ]),
+    // `ubiqfs serve`: the HTTP API over the cloud engines.
+    .target(
+      name: "UbiqServer",
+      dependencies: [
+        "UbiqCore", "UbiqCloud", "UbiqCloudScale",
+        .product(name: "Hummingbird", package: "hummingbird"),
+        .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+        .product(name: "Metrics", package: "swift-metrics"),
+        .product(name: "Prometheus", package: "swift-prometheus"),
+        .product(name: "Logging", package: "swift-log"),
+        .product(name: "NIOFoundationCompat", package: "swift-nio"),
       ]),
     .target(
       name: "UbiqSync",
@@ -42,11 +85,20 @@ let package = Package(
       name: "ubiqfs",
       dependencies: [
         "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS",
+        "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),
     .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
     .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
+    .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
+    .testTarget(
+      name: "UbiqServerTests",
+      dependencies: [
+        "UbiqCore", "UbiqCloud", "UbiqServer", "UbiqHTTPClient",
+        .product(name: "Hummingbird", package: "hummingbird"),
+        .product(name: "Logging", package: "swift-log"),
+      ]),
   ],
   swiftLanguageModes: [.v5]
 )

@@ -4,16 +4,18 @@ import UbiqCore
 /// The cloud's rules (etags and If-Match, chunk hash verification, quota, container seeding)
 /// over a metadata store and a blob store, for one account. Used in-process as the embedded
 /// default cloud and by `ubiqfs serve`.
-public final class CloudEngine: CloudService, @unchecked Sendable {
+public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendable {
   public let account: String
   let metadata: MetadataStore
   let blobs: BlobStore
+  public var kvLimits = KVLimits.standard
 
-  public init(account: String, metadata: MetadataStore, blobs: BlobStore) throws {
+  /// An engine for an existing account (the server authenticates first; the embedded
+  /// engine creates its account in `embedded`). Does no I/O.
+  public init(account: String, metadata: MetadataStore, blobs: BlobStore) {
     self.account = account
     self.metadata = metadata
     self.blobs = blobs
-    try metadata.ensureAccount(account)
   }
 
   /// The embedded default: SQLite metadata and a blob folder under `directory`.
@@ -21,7 +23,8 @@ public final class CloudEngine: CloudService, @unchecked Sendable {
     try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
     let meta = try SQLiteMetadataStore(path: directory.appendingPathComponent("cloud.sqlite").path)
     let blobs = try FolderBlobStore(root: directory.appendingPathComponent("blobs"))
-    return try CloudEngine(account: account, metadata: meta, blobs: blobs)
+    try meta.ensureAccountSync(account)
+    return CloudEngine(account: account, metadata: meta, blobs: blobs)
   }
 
   public func ensureContainer(_ container: ContainerID) async throws {
@@ -34,49 +37,60 @@ public final class CloudEngine: CloudService, @unchecked Sendable {
         itemID: WellKnownItem.documents, parentID: WellKnownItem.root, name: "Documents", kind: .directory,
         mode: 0o755, size: 0, mtimeNs: now, deviceID: "cloud"),
     ]
-    try metadata.ensureContainer(account: account, container: container.rawValue, seed: seed)
+    try await metadata.ensureContainer(account: account, container: container.rawValue, seed: seed)
   }
 
   public func missingChunks(_ hashes: [String]) async throws -> Set<String> {
     for h in hashes where !Chunker.isValidHash(h) { throw CloudError.invalid("bad chunk hash '\(h)'") }
-    let known = try metadata.knownChunks(account: account, hashes: hashes)
+    let known = try await metadata.knownChunks(account: account, hashes: hashes)
     return Set(hashes).subtracting(known)
   }
 
   public func putChunk(hash: String, data: Data) async throws {
     guard Chunker.isValidHash(hash) else { throw CloudError.invalid("bad chunk hash '\(hash)'") }
     guard Chunker.sha256Hex(data) == hash else { throw CloudError.hashMismatch(hash) }
-    if try metadata.knownChunks(account: account, hashes: [hash]).contains(hash) { return }
-    let usage = try metadata.usage(account: account)
+    if try await metadata.knownChunks(account: account, hashes: [hash]).contains(hash) { return }
+    let usage = try await metadata.usage(account: account)
     if usage.quotaBytes > 0 && usage.usedBytes + Int64(data.count) > usage.quotaBytes {
       throw CloudError.quotaExceeded(usage)
     }
-    try blobs.put(account: account, hash: hash, data: data)
-    try metadata.recordChunk(account: account, hash: hash, size: Int64(data.count))
+    try await blobs.put(account: account, hash: hash, data: data)
+    try await metadata.recordChunk(account: account, hash: hash, size: Int64(data.count))
+  }
+
+  /// The size of one of this account's chunks; `notFound` for a hash it never stored.
+  public func chunkSize(hash: String) async throws -> Int64 {
+    guard Chunker.isValidHash(hash) else { throw CloudError.invalid("bad chunk hash '\(hash)'") }
+    guard let size = try await metadata.chunkSize(account: account, hash: hash) else {
+      throw CloudError.notFound("chunk \(hash)")
+    }
+    return size
   }
 
   public func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
     guard Chunker.isValidHash(hash) else { throw CloudError.invalid("bad chunk hash '\(hash)'") }
     // Chunks are scoped per account: a hash this account never stored reads as not found,
     // even if another account holds the same bytes.
-    guard try metadata.knownChunks(account: account, hashes: [hash]).contains(hash) else {
+    guard try await metadata.knownChunks(account: account, hashes: [hash]).contains(hash) else {
       throw CloudError.notFound("chunk \(hash)")
     }
-    return try blobs.get(account: account, hash: hash, range: range)
+    return try await blobs.get(account: account, hash: hash, range: range)
   }
 
   public func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
     try validate(item)
     if item.kind == .file {
-      let known = try metadata.knownChunks(account: account, hashes: item.chunks.map(\.hash))
-      let missing = item.chunks.map(\.hash).filter { !known.contains($0) }
+      // Conflict versions reference chunks too: all must belong to this account.
+      let referenced = item.chunks.map(\.hash) + (item.conflicts ?? []).flatMap { $0.chunks.map(\.hash) }
+      let known = try await metadata.knownChunks(account: account, hashes: referenced)
+      let missing = referenced.filter { !known.contains($0) }
       if !missing.isEmpty { throw CloudError.missingChunks(missing) }
       let total = item.chunks.reduce(Int64(0)) { $0 + $1.length }
       if total != item.size { throw CloudError.invalid("chunk lengths add up to \(total), size is \(item.size)") }
     }
     var record = item
     record.deleted = false
-    return try metadata.commit(account: account, container: container.rawValue, item: record, ifMatch: ifMatch)
+    return try await metadata.commit(account: account, container: container.rawValue, item: record, ifMatch: ifMatch)
   }
 
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
@@ -85,7 +99,7 @@ public final class CloudEngine: CloudService, @unchecked Sendable {
     guard itemID != WellKnownItem.root, itemID != WellKnownItem.documents else {
       throw CloudError.invalid("the container root and Documents cannot be deleted")
     }
-    guard var current = try metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
+    guard var current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
       throw CloudError.notFound("item \(itemID)")
     }
     if current.deleted { return current }
@@ -93,29 +107,64 @@ public final class CloudEngine: CloudService, @unchecked Sendable {
     current.chunks = []
     current.xattrs = [:]
     current.deviceID = deviceID
-    return try metadata.commit(account: account, container: container.rawValue, item: current, ifMatch: ifMatch)
+    return try await metadata.commit(account: account, container: container.rawValue, item: current, ifMatch: ifMatch)
   }
 
   public func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
-    try metadata.item(account: account, container: container.rawValue, itemID: itemID)
+    try await metadata.item(account: account, container: container.rawValue, itemID: itemID)
   }
 
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try metadata.changes(account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
+    try await metadata.changes(
+      account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
   }
 
-  public func usage() async throws -> Usage { try metadata.usage(account: account) }
+  /// The newest change sequence number of a container (0 if it has none).
+  public func lastChange(_ container: ContainerID) async throws -> Int64 {
+    try await metadata.lastChange(account: account, container: container.rawValue)
+  }
+
+  public func usage() async throws -> Usage { try await metadata.usage(account: account) }
 
   public func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
     let deadline = Clock.monotonicNs() + UInt64(max(0, timeoutMs)) * 1_000_000
     while true {
-      if try metadata.lastChange(account: account, container: container.rawValue) > since { return true }
+      if try await metadata.lastChange(account: account, container: container.rawValue) > since { return true }
       if Clock.monotonicNs() >= deadline { return false }
       try await Task.sleep(nanoseconds: 25_000_000)
     }
   }
 
-  public func setQuota(bytes: Int64) throws { try metadata.setQuota(account: account, bytes: bytes) }
+  public func setQuota(bytes: Int64) async throws { try await metadata.setQuota(account: account, bytes: bytes) }
+
+  /// The account's containers.
+  public func containers() async throws -> [String] { try await metadata.containers(account: account) }
+
+  // MARK: KeyValueService
+
+  public func kvEntries(_ container: ContainerID, since: Int64) async throws -> KVSnapshot {
+    try await kvStorage().kvEntries(account: account, container: container.rawValue, since: max(0, since))
+  }
+
+  public func kvWrite(_ container: ContainerID, _ write: KVWrite) async throws -> KVWriteResult {
+    try kvLimits.validate(key: write.key)
+    if write.device.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if let value = write.value {
+      let cost = try KVLimits.cost(key: write.key, value: value)
+      if cost > kvLimits.maxTotalBytes {
+        throw KeyValueError.quotaViolation("one entry of \(cost) bytes exceeds \(kvLimits.maxTotalBytes) bytes")
+      }
+    }
+    return try await kvStorage().kvWrite(
+      account: account, container: container.rawValue, write: write, limits: kvLimits)
+  }
+
+  func kvStorage() throws -> KeyValueStorage {
+    guard let kv = metadata as? KeyValueStorage else {
+      throw CloudError.invalid("this metadata engine has no key-value store")
+    }
+    return kv
+  }
 
   private func validate(_ item: CloudItem) throws {
     guard !item.itemID.isEmpty, item.itemID.utf8.count <= 128 else { throw CloudError.invalid("bad item id") }

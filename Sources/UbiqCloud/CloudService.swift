@@ -63,6 +63,10 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case notFound(String)
   case invalid(String)
   case unavailable(String)
+  /// An account (or another named thing) that must be new already exists.
+  case exists(String)
+  /// The bearer token is missing, unknown or revoked.
+  case unauthorized(String)
 
   public var description: String {
     switch self {
@@ -73,6 +77,8 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .notFound(let m): return "not found: \(m)"
     case .invalid(let m): return "invalid request: \(m)"
     case .unavailable(let m): return "cloud unavailable: \(m)"
+    case .exists(let m): return "already exists: \(m)"
+    case .unauthorized(let m): return "not signed in: \(m)"
     }
   }
 
@@ -83,6 +89,8 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .unavailable: return EHOSTUNREACH
     case .notFound: return ENOENT
     case .conflict: return EBUSY
+    case .exists: return EEXIST
+    case .unauthorized: return EACCES
     default: return EIO
     }
   }

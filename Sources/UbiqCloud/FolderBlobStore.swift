@@ -20,11 +20,19 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
       .appendingPathComponent(hash).path
   }
 
-  public func contains(account: String, hash: String) throws -> Bool {
+  public func contains(account: String, hash: String) async throws -> Bool {
     access(path(account, hash), F_OK) == 0
   }
 
-  public func put(account: String, hash: String, data: Data) throws {
+  public func put(account: String, hash: String, data: Data) async throws {
+    try await offload { try self.putSync(account: account, hash: hash, data: data) }
+  }
+
+  public func get(account: String, hash: String, range: Range<Int64>?) async throws -> Data {
+    try await offload { try self.getSync(account: account, hash: hash, range: range) }
+  }
+
+  func putSync(account: String, hash: String, data: Data) throws {
     let final = path(account, hash)
     let dir = (final as NSString).deletingLastPathComponent
     try FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true)
@@ -50,7 +58,7 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
     }
   }
 
-  public func get(account: String, hash: String, range: Range<Int64>?) throws -> Data {
+  func getSync(account: String, hash: String, range: Range<Int64>?) throws -> Data {
     let p = path(account, hash)
     let fd = open(p, O_RDONLY | O_CLOEXEC)
     guard fd >= 0 else { throw CloudError.notFound("chunk \(hash)") }
@@ -73,3 +81,12 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
     return out
   }
 }
+
+/// Runs blocking file I/O on a dispatch queue instead of a Swift concurrency thread.
+func offload<T: Sendable>(_ body: @escaping @Sendable () throws -> T) async throws -> T {
+  try await withCheckedThrowingContinuation { cont in
+    blockingIOQueue.async { cont.resume(with: Result { try body() }) }
+  }
+}
+
+let blockingIOQueue = DispatchQueue(label: "ubiqfs.blob-io", qos: .userInitiated, attributes: .concurrent)

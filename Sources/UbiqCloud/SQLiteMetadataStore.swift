@@ -2,9 +2,10 @@ import Foundation
 import GRDB
 import UbiqCore
 
-/// The embedded cloud's metadata: accounts, containers, item records (JSON) with their change
-/// sequence, chunk bookkeeping. SQLite in WAL mode; safe for several processes at once.
-public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
+/// The embedded cloud's metadata: accounts and their tokens, containers, item records (JSON)
+/// with their change sequence, chunk bookkeeping, the key-value store. SQLite in WAL mode;
+/// safe for several processes at once.
+public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable {
   let pool: DatabasePool
   static let encoder = JSONEncoder()
   static let decoder = JSONDecoder()
@@ -29,28 +30,61 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
                               PRIMARY KEY(account, hash));
           """)
     }
+    migrator.registerMigration("v2-accounts-kv") { db in
+      try db.execute(
+        sql: """
+          CREATE TABLE tokens(id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, account TEXT NOT NULL,
+                              device TEXT NOT NULL, createdAt INTEGER NOT NULL, revoked INTEGER NOT NULL DEFAULT 0);
+          CREATE INDEX tokens_by_account ON tokens(account);
+          ALTER TABLE containers ADD COLUMN kvSeq INTEGER NOT NULL DEFAULT 0;
+          CREATE TABLE kv(account TEXT NOT NULL, container TEXT NOT NULL, key TEXT NOT NULL,
+                          value TEXT, timestamp INTEGER NOT NULL, device TEXT NOT NULL, seq INTEGER NOT NULL,
+                          cost INTEGER NOT NULL, PRIMARY KEY(account, container, key));
+          CREATE INDEX kv_by_seq ON kv(account, container, seq);
+          """)
+    }
     try migrator.migrate(pool)
   }
 
-  public func ensureAccount(_ account: String) throws {
+  /// Synchronous `ensureAccount`, for setting up the embedded engine outside async code.
+  public func ensureAccountSync(_ account: String) throws {
     try pool.write { db in
       try db.execute(sql: "INSERT OR IGNORE INTO accounts(name) VALUES (?)", arguments: [account])
     }
   }
 
-  public func ensureContainer(account: String, container: String, seed: [CloudItem]) throws {
-    try pool.write { db in
-      let exists = try Bool.fetchOne(
-        db, sql: "SELECT 1 FROM containers WHERE account = ? AND container = ?", arguments: [account, container])
-      if exists == true { return }
+  // MARK: MetadataStore
+
+  public func ensureAccount(_ account: String) async throws {
+    try await pool.write { db in
+      try db.execute(sql: "INSERT OR IGNORE INTO accounts(name) VALUES (?)", arguments: [account])
+    }
+  }
+
+  public func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws {
+    try await pool.write { db in
+      if try Self.containerExists(db, account, container) { return }
       try db.execute(
         sql: "INSERT INTO containers(account, container) VALUES (?, ?)", arguments: [account, container])
       for item in seed { _ = try Self.store(db, account, container, item) }
     }
   }
 
-  public func item(account: String, container: String, itemID: String) throws -> CloudItem? {
-    try pool.read { db in
+  public func containers(account: String) async throws -> [String] {
+    try await pool.read { db in
+      try String.fetchAll(
+        db, sql: "SELECT container FROM containers WHERE account = ? ORDER BY container", arguments: [account])
+    }
+  }
+
+  static func containerExists(_ db: Database, _ account: String, _ container: String) throws -> Bool {
+    try Bool.fetchOne(
+      db, sql: "SELECT 1 FROM containers WHERE account = ? AND container = ?", arguments: [account, container])
+      == true
+  }
+
+  public func item(account: String, container: String, itemID: String) async throws -> CloudItem? {
+    try await pool.read { db in
       try Data.fetchOne(
         db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
         arguments: [account, container, itemID]
@@ -58,23 +92,18 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     }
   }
 
-  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?) throws -> CloudItem {
-    try pool.write { db in
-      guard
-        try Bool.fetchOne(
-          db, sql: "SELECT 1 FROM containers WHERE account = ? AND container = ?", arguments: [account, container])
-          == true
-      else { throw CloudError.notFound("container \(container)") }
+  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws
+    -> CloudItem
+  {
+    try await pool.write { db in
+      guard try Self.containerExists(db, account, container) else {
+        throw CloudError.notFound("container \(container)")
+      }
       let current = try Data.fetchOne(
         db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
         arguments: [account, container, item.itemID]
       ).map { try Self.decoder.decode(CloudItem.self, from: $0) }
-      if let current {
-        let live = !current.deleted
-        if ifMatch != current.etag && (live || ifMatch != nil) { throw CloudError.conflict(current: current) }
-      } else if ifMatch != nil {
-        throw CloudError.notFound("item \(item.itemID)")
-      }
+      try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
       return try Self.store(db, account, container, item)
     }
   }
@@ -100,8 +129,8 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     return record
   }
 
-  public func changes(account: String, container: String, since: Int64, limit: Int) throws -> ChangeBatch {
-    try pool.read { db in
+  public func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch {
+    try await pool.read { db in
       let rows = try Row.fetchAll(
         db,
         sql: """
@@ -115,17 +144,17 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     }
   }
 
-  public func lastChange(account: String, container: String) throws -> Int64 {
-    try pool.read { db in
+  public func lastChange(account: String, container: String) async throws -> Int64 {
+    try await pool.read { db in
       try Int64.fetchOne(
         db, sql: "SELECT lastSeq FROM containers WHERE account = ? AND container = ?",
         arguments: [account, container]) ?? 0
     }
   }
 
-  public func knownChunks(account: String, hashes: [String]) throws -> Set<String> {
+  public func knownChunks(account: String, hashes: [String]) async throws -> Set<String> {
     if hashes.isEmpty { return [] }
-    return try pool.read { db in
+    return try await pool.read { db in
       var found = Set<String>()
       for batch in stride(from: 0, to: hashes.count, by: 500) {
         let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
@@ -139,8 +168,15 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     }
   }
 
-  public func recordChunk(account: String, hash: String, size: Int64) throws {
-    try pool.write { db in
+  public func chunkSize(account: String, hash: String) async throws -> Int64? {
+    try await pool.read { db in
+      try Int64.fetchOne(
+        db, sql: "SELECT size FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
+    }
+  }
+
+  public func recordChunk(account: String, hash: String, size: Int64) async throws {
+    try await pool.write { db in
       let (used, quota) = try Self.usageRow(db, account)
       if try Bool.fetchOne(
         db, sql: "SELECT 1 FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash]) == true
@@ -165,16 +201,197 @@ public final class SQLiteMetadataStore: MetadataStore, @unchecked Sendable {
     return (row["usedBytes"], row["quotaBytes"])
   }
 
-  public func usage(account: String) throws -> Usage {
-    try pool.read { db in
+  public func usage(account: String) async throws -> Usage {
+    try await pool.read { db in
       let (u, q) = try Self.usageRow(db, account)
       return Usage(usedBytes: u, quotaBytes: q)
     }
   }
 
-  public func setQuota(account: String, bytes: Int64) throws {
-    try pool.write { db in
+  public func setQuota(account: String, bytes: Int64) async throws {
+    try await pool.write { db in
+      _ = try Self.usageRow(db, account)
       try db.execute(sql: "UPDATE accounts SET quotaBytes = ? WHERE name = ?", arguments: [bytes, account])
+    }
+  }
+
+  // MARK: AccountStore
+
+  public func createAccount(_ account: String, quotaBytes: Int64) async throws {
+    try await pool.write { db in
+      if try Bool.fetchOne(db, sql: "SELECT 1 FROM accounts WHERE name = ?", arguments: [account]) == true {
+        throw CloudError.exists("account \(account)")
+      }
+      try db.execute(
+        sql: "INSERT INTO accounts(name, quotaBytes) VALUES (?, ?)", arguments: [account, quotaBytes])
+    }
+  }
+
+  public func accountExists(_ account: String) async throws -> Bool {
+    try await pool.read { db in
+      try Bool.fetchOne(db, sql: "SELECT 1 FROM accounts WHERE name = ?", arguments: [account]) == true
+    }
+  }
+
+  public func accounts() async throws -> [String] {
+    try await pool.read { db in try String.fetchAll(db, sql: "SELECT name FROM accounts ORDER BY name") }
+  }
+
+  public func addToken(_ record: TokenRecord, tokenHash: String) async throws {
+    try await pool.write { db in
+      _ = try Self.usageRow(db, record.account)
+      try db.execute(
+        sql: "INSERT INTO tokens(id, hash, account, device, createdAt, revoked) VALUES (?,?,?,?,?,0)",
+        arguments: [record.id, tokenHash, record.account, record.device, record.createdAt])
+    }
+  }
+
+  static func tokenRecord(_ row: Row) -> TokenRecord {
+    TokenRecord(
+      id: row["id"], account: row["account"], device: row["device"], createdAt: row["createdAt"],
+      revoked: row["revoked"])
+  }
+
+  public func token(hash tokenHash: String) async throws -> TokenRecord? {
+    try await pool.read { db in
+      try Row.fetchOne(db, sql: "SELECT * FROM tokens WHERE hash = ? AND revoked = 0", arguments: [tokenHash])
+        .map(Self.tokenRecord)
+    }
+  }
+
+  public func tokens(account: String) async throws -> [TokenRecord] {
+    try await pool.read { db in
+      try Row.fetchAll(
+        db, sql: "SELECT * FROM tokens WHERE account = ? ORDER BY createdAt, id", arguments: [account]
+      ).map(Self.tokenRecord)
+    }
+  }
+
+  public func revokeToken(account: String, id: String) async throws -> Bool {
+    try await pool.write { db in
+      try db.execute(
+        sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND id = ? AND revoked = 0", arguments: [account, id])
+      return db.changesCount > 0
+    }
+  }
+
+  public func revokeTokens(account: String, device: String?) async throws -> Int {
+    try await pool.write { db in
+      if let device {
+        try db.execute(
+          sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND device = ? AND revoked = 0",
+          arguments: [account, device])
+      } else {
+        try db.execute(sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND revoked = 0", arguments: [account])
+      }
+      return db.changesCount
+    }
+  }
+
+  // MARK: KeyValueStorage
+
+  static func kvEntry(_ row: Row) throws -> KVEntry {
+    let text: String? = row["value"]
+    let value = try text.map { try decoder.decode(JSONValue.self, from: Data($0.utf8)) }
+    return KVEntry(key: row["key"], value: value, timestamp: row["timestamp"], device: row["device"], seq: row["seq"])
+  }
+
+  public func kvEntries(account: String, container: String, since: Int64) async throws -> KVSnapshot {
+    try await pool.read { db in
+      guard
+        let head = try Row.fetchOne(
+          db, sql: "SELECT kvSeq FROM containers WHERE account = ? AND container = ?",
+          arguments: [account, container])
+      else { throw CloudError.notFound("container \(container)") }
+      let rows = try Row.fetchAll(
+        db,
+        sql: """
+          SELECT * FROM kv WHERE account = ? AND container = ? AND seq > ? \(since == 0 ? "AND value IS NOT NULL" : "")
+          ORDER BY seq
+          """, arguments: [account, container, since])
+      let totals = try Row.fetchOne(
+        db,
+        sql:
+          "SELECT COALESCE(SUM(cost), 0) AS used, COUNT(*) AS n FROM kv WHERE account = ? AND container = ? AND value IS NOT NULL",
+        arguments: [account, container])!
+      return KVSnapshot(
+        entries: try rows.map(Self.kvEntry), token: head["kvSeq"], usedBytes: totals["used"], keyCount: totals["n"])
+    }
+  }
+
+  public func kvWrite(account: String, container: String, write: KVWrite, limits: KVLimits) async throws
+    -> KVWriteResult
+  {
+    let cost = try KVLimits.cost(key: write.key, value: write.value)
+    let text = try write.value.map { String(decoding: try $0.jsonData(), as: UTF8.self) }
+    return try await pool.write { db in
+      guard try Self.containerExists(db, account, container) else {
+        throw CloudError.notFound("container \(container)")
+      }
+      let current = try Row.fetchOne(
+        db, sql: "SELECT * FROM kv WHERE account = ? AND container = ? AND key = ?",
+        arguments: [account, container, write.key])
+      let currentEntry = try current.map(Self.kvEntry)
+      let kvSeq: Int64 =
+        try Int64.fetchOne(
+          db, sql: "SELECT kvSeq FROM containers WHERE account = ? AND container = ?", arguments: [account, container])
+        ?? 0
+      if let currentEntry, !currentEntry.isReplaced(byTimestamp: write.timestamp, device: write.device) {
+        return KVWriteResult(applied: false, entry: currentEntry, token: kvSeq)
+      }
+      if write.value != nil {
+        let totals = try Row.fetchOne(
+          db,
+          sql: """
+            SELECT COALESCE(SUM(cost), 0) AS used, COUNT(*) AS n FROM kv
+            WHERE account = ? AND container = ? AND value IS NOT NULL AND key <> ?
+            """, arguments: [account, container, write.key])!
+        try KVQuota.check(
+          otherBytes: totals["used"], otherKeys: totals["n"], cost: cost, limits: limits)
+      }
+      let seq = kvSeq + 1
+      try db.execute(
+        sql: "UPDATE containers SET kvSeq = ? WHERE account = ? AND container = ?",
+        arguments: [seq, account, container])
+      try db.execute(
+        sql: """
+          INSERT INTO kv(account, container, key, value, timestamp, device, seq, cost) VALUES (?,?,?,?,?,?,?,?)
+          ON CONFLICT(account, container, key) DO UPDATE SET value = excluded.value,
+            timestamp = excluded.timestamp, device = excluded.device, seq = excluded.seq, cost = excluded.cost
+          """,
+        arguments: [account, container, write.key, text, write.timestamp, write.device, seq, cost])
+      return KVWriteResult(
+        applied: true,
+        entry: KVEntry(key: write.key, value: write.value, timestamp: write.timestamp, device: write.device, seq: seq),
+        token: seq)
+    }
+  }
+}
+
+/// The If-Match rule every metadata engine applies inside its commit transaction.
+public enum CommitRule {
+  /// A live item needs its current etag; a tombstone or a missing item needs no etag (or,
+  /// for a tombstone, its etag); an etag for an item that never existed is `notFound`.
+  public static func check(current: CloudItem?, ifMatch: String?, itemID: String) throws {
+    if let current {
+      if ifMatch != current.etag && (!current.deleted || ifMatch != nil) {
+        throw CloudError.conflict(current: current)
+      }
+    } else if ifMatch != nil {
+      throw CloudError.notFound("item \(itemID)")
+    }
+  }
+}
+
+/// The key-value store's totals rule, shared by the engines.
+public enum KVQuota {
+  public static func check(otherBytes: Int64, otherKeys: Int, cost: Int64, limits: KVLimits) throws {
+    if otherKeys + 1 > limits.maxKeys {
+      throw KeyValueError.quotaViolation("the store already holds \(otherKeys) keys (maximum \(limits.maxKeys))")
+    }
+    if otherBytes + cost > limits.maxTotalBytes {
+      throw KeyValueError.quotaViolation(
+        "\(otherBytes) + \(cost) bytes exceeds the store's \(limits.maxTotalBytes) bytes")
     }
   }
 }

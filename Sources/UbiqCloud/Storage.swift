@@ -3,28 +3,81 @@ import UbiqCore
 
 /// Chunk bytes, addressed by (account, SHA-256). Folder on disk or an S3 bucket.
 public protocol BlobStore: Sendable {
-  func contains(account: String, hash: String) throws -> Bool
-  func put(account: String, hash: String, data: Data) throws
-  func get(account: String, hash: String, range: Range<Int64>?) throws -> Data
+  func contains(account: String, hash: String) async throws -> Bool
+  func put(account: String, hash: String, data: Data) async throws
+  func get(account: String, hash: String, range: Range<Int64>?) async throws -> Data
 }
 
 /// Item records, change sequences, chunk bookkeeping and quotas. SQLite or PostgreSQL.
 /// Every method is one atomic transaction, so several server processes may share one store.
 public protocol MetadataStore: Sendable {
-  func ensureAccount(_ account: String) throws
-  func ensureContainer(account: String, container: String, seed: [CloudItem]) throws
-  func item(account: String, container: String, itemID: String) throws -> CloudItem?
+  func ensureAccount(_ account: String) async throws
+  func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws
+  /// The container identifiers of an account, sorted.
+  func containers(account: String) async throws -> [String]
+  func item(account: String, container: String, itemID: String) async throws -> CloudItem?
   /// Stores `item` with a new change sequence number and etag if the current etag matches
   /// `ifMatch` (nil: the item must not exist or be a tombstone). Returns the stored record.
-  func commit(account: String, container: String, item: CloudItem, ifMatch: String?) throws -> CloudItem
-  func changes(account: String, container: String, since: Int64, limit: Int) throws -> ChangeBatch
+  func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws -> CloudItem
+  func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch
   /// The newest change sequence number of a container (0 if none).
-  func lastChange(account: String, container: String) throws -> Int64
+  func lastChange(account: String, container: String) async throws -> Int64
   /// Which of `hashes` are recorded for the account.
-  func knownChunks(account: String, hashes: [String]) throws -> Set<String>
+  func knownChunks(account: String, hashes: [String]) async throws -> Set<String>
+  /// The size of a chunk recorded for the account (nil if the account has no such chunk).
+  func chunkSize(account: String, hash: String) async throws -> Int64?
   /// Records a stored chunk and charges it to the quota; throws `CloudError.quotaExceeded`
   /// (and records nothing) if it does not fit.
-  func recordChunk(account: String, hash: String, size: Int64) throws
-  func usage(account: String) throws -> Usage
-  func setQuota(account: String, bytes: Int64) throws
+  func recordChunk(account: String, hash: String, size: Int64) async throws
+  func usage(account: String) async throws -> Usage
+  func setQuota(account: String, bytes: Int64) async throws
 }
+
+/// One bearer token of an account: the device it was issued to and whether it was revoked.
+/// Only the token's SHA-256 is ever stored.
+public struct TokenRecord: Codable, Sendable, Equatable {
+  public var id: String
+  public var account: String
+  public var device: String
+  /// Seconds since the Unix epoch.
+  public var createdAt: Int64
+  public var revoked: Bool
+  public init(id: String, account: String, device: String, createdAt: Int64, revoked: Bool = false) {
+    self.id = id
+    self.account = account
+    self.device = device
+    self.createdAt = createdAt
+    self.revoked = revoked
+  }
+}
+
+/// Accounts and their devices' bearer tokens (stored as SHA-256 hashes, revocable).
+/// Implemented by both metadata engines, next to `MetadataStore`.
+public protocol AccountStore: Sendable {
+  /// Creates an account; throws `CloudError.exists` if the name is taken.
+  func createAccount(_ account: String, quotaBytes: Int64) async throws
+  func accountExists(_ account: String) async throws -> Bool
+  func accounts() async throws -> [String]
+  /// Stores a new token (by its hash) for a device of an account.
+  func addToken(_ record: TokenRecord, tokenHash: String) async throws
+  /// The live (not revoked) token whose SHA-256 is `tokenHash`.
+  func token(hash tokenHash: String) async throws -> TokenRecord?
+  func tokens(account: String) async throws -> [TokenRecord]
+  /// Revokes one token of an account by id; false if there is no such live token.
+  func revokeToken(account: String, id: String) async throws -> Bool
+  /// Revokes every live token of an account (of one device if given); returns how many.
+  func revokeTokens(account: String, device: String?) async throws -> Int
+}
+
+/// The per-account, per-container key-value store's storage. Limits are enforced inside
+/// the write's transaction so concurrent writers on several servers cannot overrun them.
+public protocol KeyValueStorage: Sendable {
+  /// Entries changed after `since` (0: every live entry), and the newest change token.
+  func kvEntries(account: String, container: String, since: Int64) async throws -> KVSnapshot
+  /// Applies a set (value non-nil) or remove (value nil) if it wins by (timestamp, device);
+  /// otherwise leaves the stored entry and reports it.
+  func kvWrite(account: String, container: String, write: KVWrite, limits: KVLimits) async throws -> KVWriteResult
+}
+
+/// Everything a server needs from its metadata engine.
+public typealias ServerMetadataStore = MetadataStore & AccountStore & KeyValueStorage

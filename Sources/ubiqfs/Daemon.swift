@@ -42,7 +42,9 @@ final class Daemon {
   }
 
   func run() throws -> Int32 {
-    let account = "local"
+    // The signed-in server account (HTTPCloud), or the embedded engine's "local" account.
+    let cloudSession = try CloudSession.open(paths)
+    let account = cloudSession.account
     let dir = paths.containerDir(account: account, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
     try checkMountpoint()
@@ -60,8 +62,13 @@ final class Daemon {
     try index.bootstrap(uid: getuid(), gid: getgid())
     let deviceID = try index.deviceID()
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
-    let cloud = try CloudEngine.embedded(directory: paths.cloudDir, account: account)
-    try runBlocking { try await cloud.ensureContainer(self.container) }
+    let cloud = try cloudSession.makeCloud()
+    do {
+      try runBlocking { try await cloud.ensureContainer(self.container) }
+    } catch CloudError.unavailable(let why) where ((try? index.changeToken()) ?? 0) > 0 {
+      // A server account that synced before mounts offline; queued work uploads once it is back.
+      log.warning("cloud unavailable (\(why)); mounting from the local index")
+    }
     try adoptWellKnownEtags(index: index, cloud: cloud)
 
     let coordinator = WriteCoordinator()

@@ -82,7 +82,7 @@ struct MountCommand: ParsableCommand {
     // Checked here too: an existing mount at MOUNTPOINT would look like success below.
     if MountTable.isMounted(mountpoint) { throw UbiqError.busy("\(mountpoint) is already a mount point") }
     let paths = location.paths
-    let dir = paths.containerDir(account: "local", container)
+    let dir = paths.containerDir(account: paths.activeAccount, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
     let logPath = dir.appendingPathComponent("daemon.log").path
     var args = [

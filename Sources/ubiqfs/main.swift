@@ -8,6 +8,8 @@ struct Ubiqfs: ParsableCommand {
     commandName: "ubiqfs",
     abstract: "iCloud-style ubiquity containers for Linux.",
     subcommands: [
+      // Server and accounts (issue 5).
+      ServeCommand.self, ServerCommand.self, AccountCommand.self,
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
       ContentCommand.self, VersionsCommand.self, ResolveCommand.self,
     ])

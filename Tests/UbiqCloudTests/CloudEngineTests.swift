@@ -63,7 +63,7 @@ final class CloudEngineTests: XCTestCase {
   func testQuotaAndAccountIsolation() async throws {
     let alice = try CloudEngine.embedded(directory: dir, account: "alice")
     let bob = try CloudEngine.embedded(directory: dir, account: "bob")
-    try alice.setQuota(bytes: 10)
+    try await alice.setQuota(bytes: 10)
     let small = Data("12345".utf8)
     try await alice.putChunk(hash: Chunker.sha256Hex(small), data: small)
     let big = Data("1234567890".utf8)

@@ -20,6 +20,94 @@ from pathlib import Path
 import pytest
 
 UBIQFS_BIN = os.environ.get("UBIQFS_BIN", "/work/main/.build/debug/ubiqfs")
+
+# ---------------------------------------------------------------------------- cloud mode
+# UBIQFS_TEST_CLOUD picks the cloud the mounts sync with:
+#   embedded      the in-process engine (SQLite + blob folder in <test>/cloud), the default;
+#   server        a real `ubiqfs serve` over that same folder (SQLite engine), signed in with
+#                 `ubiqfs account login`;
+#   server-scale  `ubiqfs serve` on PostgreSQL + SeaweedFS S3 (started once per session).
+# Devices sharing one cloud folder (see device2) share one server account; the second device
+# talks to a second server process over the same storage.
+CLOUD_MODE = os.environ.get("UBIQFS_TEST_CLOUD", "embedded")
+if CLOUD_MODE not in ("embedded", "server", "server-scale"):
+    raise RuntimeError(f"UBIQFS_TEST_CLOUD={CLOUD_MODE!r}: want embedded, server or server-scale")
+if CLOUD_MODE != "embedded":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+    import ubiqstack  # noqa: E402
+
+    ubiqstack.UBIQFS_BIN = UBIQFS_BIN
+
+
+class _CloudAccount:
+    """One server account shared by every device whose cloud folder is `key`."""
+
+    def __init__(self, key: str, storage, servers: list, name: str, token: str, own_servers: bool):
+        self.key, self.storage, self.servers = key, storage, servers
+        self.name, self.token, self.own_servers = name, token, own_servers
+        self.logins = 0
+
+    def next_server(self):
+        s = self.servers[self.logins % len(self.servers)]
+        self.logins += 1
+        return s
+
+
+_ACCOUNTS: dict[str, _CloudAccount] = {}
+_SCALE: dict = {}  # "stack", "servers": started on first use, stopped at session end
+
+
+def _scale_servers() -> tuple:
+    if "stack" not in _SCALE:
+        stack = ubiqstack.ScaleStack()
+        _SCALE["stack"] = stack
+        stack.start()
+        logs = Path(os.environ.get("TMPDIR", "/tmp"))
+        _SCALE["servers"] = []
+        for i in range(2):
+            s = ubiqstack.ServerProcess(stack.storage(), logs / f"ubiq-scale-serve-{os.getpid()}-{i}.log")
+            _SCALE["servers"].append(s)
+            s.start()
+    return _SCALE["stack"].storage(), _SCALE["servers"]
+
+
+def _cloud_account(key: str) -> _CloudAccount:
+    acct = _ACCOUNTS.get(key)
+    if acct is not None:
+        return acct
+    if CLOUD_MODE == "server":
+        storage = ubiqstack.EmbeddedStorage(Path(key))
+        servers = [ubiqstack.ServerProcess(storage, Path(key).parent / f"serve-{i}.log") for i in range(2)]
+        acct = _CloudAccount(key, storage, servers, "tester", "", own_servers=True)
+        _ACCOUNTS[key] = acct
+        for s in servers:
+            s.start()
+        acct.token = ubiqstack.create_account(storage, acct.name)
+    else:
+        storage, servers = _scale_servers()
+        name = f"t{abs(hash(key)) % 10**10}-{os.getpid()}"
+        acct = _CloudAccount(key, storage, servers, name, ubiqstack.create_account(storage, name), own_servers=False)
+        _ACCOUNTS[key] = acct
+    return acct
+
+
+def _stop_cloud(key: str) -> None:
+    acct = _ACCOUNTS.pop(key, None)
+    if acct is not None and acct.own_servers:
+        for s in acct.servers:
+            s.stop()
+
+
+def _stop_all_clouds() -> None:
+    for key in list(_ACCOUNTS):
+        _stop_cloud(key)
+    for s in _SCALE.pop("servers", []):
+        s.stop()
+    stack = _SCALE.pop("stack", None)
+    if stack is not None:
+        stack.stop()
 DEFAULT_CONTAINER = "iCloud.default"
 CLI_TIMEOUT = 90
 
@@ -154,6 +242,10 @@ class Ubiq:
         self.env["UBIQFS_STATE_DIR"] = str(self.state)
         self.env["UBIQFS_CLOUD_DIR"] = str(self.cloud)
         self.mount_args = ["--upload-delay-ms", "100"]
+        # The account whose state folders the mounts use ("local" for the embedded cloud).
+        self.account = "local"
+        self.api = None  # ubiqstack.Api of the signed-in account (server modes)
+        self._own_cloud = str(self.cloud)
 
     # -- paths
 
@@ -162,7 +254,7 @@ class Ubiq:
         return self.mnt / "Documents"
 
     def container_dir(self, container: str | None = None) -> Path:
-        return self.state / "accounts" / "local" / (container or self.container)
+        return self.state / "accounts" / self.account / (container or self.container)
 
     @property
     def daemon_log_path(self) -> Path:
@@ -202,6 +294,7 @@ class Ubiq:
 
     def mount(self, *extra: str) -> None:
         args = list(extra) if extra else self.mount_args
+        self.ensure_cloud()
         self.run("mount", self.container, self.mnt, *args)
         assert str(self.mnt) in ubiq_mounts(), "mount returned but the kernel shows no mount"
         self._note_daemon()
@@ -235,6 +328,42 @@ class Ubiq:
 
     # -- cloud
 
+    @property
+    def cloud_key(self) -> str:
+        """The cloud this device syncs with (devices sharing a cloud folder share an account)."""
+        return str(Path(self.env.get("UBIQFS_CLOUD_DIR", self.cloud)))
+
+    def ensure_cloud(self) -> None:
+        """Server modes: make sure this state folder is signed in to the cloud's account."""
+        if CLOUD_MODE == "embedded":
+            return
+        acct = _cloud_account(self.cloud_key)
+        self.account = acct.name
+        cfg = self.state / "account.json"
+        if cfg.exists() and json.loads(cfg.read_text()).get("account") == acct.name:
+            if self.api is None:
+                self.api = ubiqstack.Api(json.loads(cfg.read_text())["server"], acct.token)
+            return
+        server = acct.next_server()
+        self.run("account", "login", "--server", server.url, "--token", acct.token, "--device", f"dev-{self.root.name}")
+        self.api = ubiqstack.Api(server.url, acct.token)
+
+    def set_quota(self, quota: int) -> None:
+        """What a cloud operator does: change the account's quota (0 = unlimited)."""
+        if CLOUD_MODE == "embedded":
+            db = self._cloud_db()
+            try:
+                db.execute("UPDATE accounts SET quotaBytes = ? WHERE name = 'local'", (quota,))
+                db.commit()
+            finally:
+                db.close()
+            return
+        self.ensure_cloud()
+        acct = _cloud_account(self.cloud_key)
+        ubiqstack.run_cli(
+            "server", "account", "quota", acct.name, str(quota), *acct.storage.args(), env_extra=acct.storage.env()
+        )
+
     def _cloud_db(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.cloud / "cloud.sqlite"), timeout=10)
         db.execute("PRAGMA busy_timeout = 10000")
@@ -242,6 +371,10 @@ class Ubiq:
 
     def cloud_items(self, container: str | None = None, include_deleted: bool = True) -> list[dict]:
         """Every cloud record of the container (decoded JSON), deleted ones too unless asked."""
+        if CLOUD_MODE != "embedded":
+            self.ensure_cloud()
+            items = self.api.all_items(container or self.container)
+            return [i for i in items if include_deleted or not i.get("deleted")]
         db = self._cloud_db()
         try:
             rows = db.execute(
@@ -259,7 +392,22 @@ class Ubiq:
         return None
 
     def blob_path(self, digest: str) -> Path:
-        return self.cloud / "blobs" / "local" / digest[:2] / digest
+        """Where the embedded engine (also behind UBIQFS_TEST_CLOUD=server) keeps a chunk."""
+        return self.cloud / "blobs" / self.account / digest[:2] / digest
+
+    def stored_chunks(self) -> dict[str, int]:
+        """hash -> size of every chunk the cloud stores for this account (any cloud mode)."""
+        if CLOUD_MODE != "server-scale":
+            root = self.cloud / "blobs" / self.account
+            return {p.name: p.stat().st_size for p in root.rglob("*") if p.is_file() and ".tmp." not in p.name}
+        self.ensure_cloud()
+        pg = _SCALE["stack"].pg
+        out = subprocess.run(
+            ["psql", "-h", "127.0.0.1", "-p", str(pg.port), "-U", "postgres", "-d", "ubiq", "-At", "-F", " ", "-c",
+             f"SELECT hash, size FROM chunks WHERE account = '{self.account}'"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout
+        return {h: int(n) for h, n in (line.split() for line in out.splitlines() if line.strip())}
 
     def cloud_content(self, item_id: str, container: str | None = None) -> bytes:
         """The bytes the cloud holds for a file: its chunks' blobs, concatenated."""
@@ -267,7 +415,10 @@ class Ubiq:
         assert item is not None, f"no cloud item {item_id}"
         data = bytearray()
         for chunk in item.get("chunks", []):
-            blob = self.blob_path(chunk["hash"]).read_bytes()
+            if CLOUD_MODE == "embedded":
+                blob = self.blob_path(chunk["hash"]).read_bytes()
+            else:
+                blob = self.api.chunk(chunk["hash"])
             assert len(blob) == chunk["length"], f"blob {chunk['hash']} has {len(blob)} bytes, manifest says {chunk['length']}"
             assert hashlib.sha256(blob).hexdigest() == chunk["hash"], f"blob {chunk['hash']} is corrupt"
             data += blob
@@ -340,6 +491,8 @@ def _teardown_root(u: Ubiq) -> list[str]:
     left = mounts_under(u.root)
     if left:
         problems.append(f"mounts left behind: {left}")
+    if CLOUD_MODE != "embedded" and u.cloud_key == u._own_cloud:
+        _stop_cloud(u._own_cloud)
     return problems
 
 
@@ -365,7 +518,10 @@ def ubiq(tmp_path_factory, request, ubiqfs_bin):
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_mounts_left_behind():
-    yield
+    try:
+        yield
+    finally:
+        _stop_all_clouds()
     problems = []
     for root in _ROOTS:
         for mp in mounts_under(root):

@@ -31,7 +31,7 @@ def test_status_json_after_sync_shows_nothing_pending(ubiq):
     assert len(reports) == 1
     r = reports[0]
     assert r["container"] == "iCloud.default"
-    assert r["account"] == "local"
+    assert r["account"] == ubiq.account
     assert r["mountpoint"] == str(ubiq.mnt)
     assert r["pid"] == ubiq.daemon_record()["pid"]
     assert r["queue"]["pendingItems"] == 0

@@ -4,7 +4,6 @@ coalesced saves, and sync --wait."""
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 
 from conftest import Ubiq
@@ -13,13 +12,8 @@ from test_devices_and_content import wait_for
 
 
 def set_quota(u: Ubiq, quota: int) -> None:
-    """What a cloud operator does: change the account's quota in the cloud's own store."""
-    db = sqlite3.connect(str(u.cloud / "cloud.sqlite"), timeout=10)
-    try:
-        db.execute("UPDATE accounts SET quotaBytes = ? WHERE name = 'local'", (quota,))
-        db.commit()
-    finally:
-        db.close()
+    """What a cloud operator does: change the account's quota (through the cloud's own admin path)."""
+    u.set_quota(quota)
 
 
 def test_status_watch_shows_progress_bar_and_xattr_percent(ubiq):
@@ -79,8 +73,7 @@ def test_repeated_saves_coalesce_into_newest(ubiq):
             fh.write(v)
     ubiq.sync()
     assert ubiq.cloud_content(ubiq.item_id(f)) == versions[-1]
-    blobs = [p for p in (ubiq.cloud / "blobs").rglob("*") if p.is_file()]
-    hashes = {p.name for p in blobs}
+    hashes = set(ubiq.stored_chunks())
     assert sha256(versions[-1]) in hashes
     # Only the newest content travelled.
     assert not any(sha256(v) in hashes for v in versions[:-1])

@@ -1,0 +1,47 @@
+import Crypto
+import Foundation
+import UbiqCore
+
+/// Rules for account and device names (account names become folder names on clients and
+/// blob prefixes on servers, so they are kept to a safe alphabet).
+public enum AccountName {
+  /// The embedded engine's built-in account; never a server account.
+  public static let local = "local"
+
+  public static func validate(_ name: String) throws {
+    let allowed = Set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-".unicodeScalars)
+    guard !name.isEmpty, name.utf8.count <= 64, name.unicodeScalars.allSatisfy({ allowed.contains($0) }),
+      !name.hasPrefix("."), !name.hasPrefix("-")
+    else {
+      throw CloudError.invalid(
+        "account name '\(name)' must be 1-64 characters of letters, digits, '.', '-', '_' (not starting with '.' or '-')"
+      )
+    }
+    if name == local { throw CloudError.invalid("'local' is reserved for the embedded cloud") }
+  }
+
+  public static func validateDevice(_ name: String) throws {
+    guard !name.isEmpty, name.utf8.count <= 128, !name.unicodeScalars.contains(where: { $0.value < 0x20 }) else {
+      throw CloudError.invalid("device name must be 1-128 bytes without control characters")
+    }
+  }
+}
+
+/// Bearer tokens: 32 random bytes as `ubq_<64 hex digits>`; servers store only the SHA-256.
+public enum BearerToken {
+  public static func generate() -> String {
+    var rng = SystemRandomNumberGenerator()
+    let bytes = (0..<32).map { _ in UInt8.random(in: 0...255, using: &rng) }
+    return "ubq_" + bytes.map { String(format: "%02x", $0) }.joined()
+  }
+
+  /// A short random identifier for a token record (shown by `server token list`).
+  public static func newID() -> String {
+    var rng = SystemRandomNumberGenerator()
+    return (0..<8).map { _ in String(format: "%02x", UInt8.random(in: 0...255, using: &rng)) }.joined()
+  }
+
+  public static func hash(_ token: String) -> String {
+    SHA256.hash(data: Data(token.utf8)).map { String(format: "%02x", $0) }.joined()
+  }
+}

@@ -1,0 +1,526 @@
+import Foundation
+import Logging
+import PostgresNIO
+import UbiqCloud
+import UbiqCore
+
+/// The scale-out metadata engine: the same tables and rules as `SQLiteMetadataStore` in
+/// PostgreSQL, so any number of `ubiqfs serve` processes can share one database. Commits lock
+/// the container row (`SELECT ... FOR UPDATE`), which makes each container's change sequence
+/// gap-free and committed in order; quota charges lock the account row.
+public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendable {
+  /// Run this (it is a ServiceLifecycle service) for as long as the store is used.
+  public let client: PostgresClient
+  let log: Logger
+  static let encoder = JSONEncoder()
+  static let decoder = JSONDecoder()
+
+  public init(url: String, logger: Logger = Logger(label: "ubiqfs.postgres")) throws {
+    client = PostgresClient(configuration: try Self.configuration(url: url), backgroundLogger: logger)
+    log = logger
+  }
+
+  /// Parses `postgres://user:password@host:port/database[?sslmode=disable|prefer|require]`;
+  /// `?host=/run/postgresql` selects a Unix socket folder.
+  public static func configuration(url: String) throws -> PostgresClient.Configuration {
+    guard let c = URLComponents(string: url), c.scheme == "postgres" || c.scheme == "postgresql" else {
+      throw CloudError.invalid("bad PostgreSQL URL '\(url)' (want postgres://user:password@host:port/database)")
+    }
+    let params = Dictionary(
+      (c.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
+    let user = c.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? "postgres"
+    let password = c.percentEncodedPassword.flatMap { $0.removingPercentEncoding }
+    let db = c.path.hasPrefix("/") && c.path.count > 1 ? String(c.path.dropFirst()) : user
+    var config: PostgresClient.Configuration
+    if let socketDir = params["host"], socketDir.hasPrefix("/") {
+      let port = c.port ?? 5432
+      config = .init(
+        unixSocketPath: "\(socketDir)/.s.PGSQL.\(port)", username: user, password: password, database: db)
+    } else {
+      let tls: PostgresClient.Configuration.TLS
+      switch params["sslmode"] ?? "prefer" {
+      case "disable": tls = .disable
+      case "require", "verify-full", "verify-ca": tls = .require(.makeClientConfiguration())
+      default: tls = .prefer(.makeClientConfiguration())
+      }
+      config = .init(
+        host: c.host ?? "127.0.0.1", port: c.port ?? 5432, username: user, password: password, database: db, tls: tls)
+    }
+    config.options.connectTimeout = .seconds(5)
+    config.options.maximumConnections = 16
+    return config
+  }
+
+  // MARK: plumbing
+
+  /// Runs `body` in a transaction on one pooled connection; the body's own errors are rethrown
+  /// unchanged (after ROLLBACK), so typed `CloudError`s reach the caller.
+  func transaction<T>(_ body: (PostgresConnection) async throws -> T) async throws -> T {
+    try await mapErrors {
+      try await client.withConnection { conn in
+        try await conn.query("BEGIN", logger: log)
+        do {
+          let value = try await body(conn)
+          try await conn.query("COMMIT", logger: log)
+          return value
+        } catch {
+          _ = try? await conn.query("ROLLBACK", logger: log)
+          throw error
+        }
+      }
+    }
+  }
+
+  func read<T>(_ body: (PostgresConnection) async throws -> T) async throws -> T {
+    try await mapErrors { try await client.withConnection { try await body($0) } }
+  }
+
+  func mapErrors<T>(_ body: () async throws -> T) async throws -> T {
+    do {
+      return try await body()
+    } catch let e as CloudError {
+      throw e
+    } catch let e as KeyValueError {
+      throw e
+    } catch let e as PSQLError {
+      throw CloudError.unavailable("PostgreSQL: \(String(reflecting: e))")
+    } catch is CancellationError {
+      throw CancellationError()
+    } catch {
+      throw CloudError.unavailable("PostgreSQL: \(error)")
+    }
+  }
+
+  /// Creates the schema if needed (idempotent; serialized by an advisory lock so several
+  /// servers may start at once).
+  public func migrate() async throws {
+    try await transaction { conn in
+      try await conn.query("SELECT pg_advisory_xact_lock(7400105)", logger: log)
+      for statement in Self.schema {
+        try await conn.query(PostgresQuery(unsafeSQL: statement), logger: log)
+      }
+    }
+  }
+
+  static let schema = [
+    """
+    CREATE TABLE IF NOT EXISTS accounts(name TEXT PRIMARY KEY, quota_bytes BIGINT NOT NULL DEFAULT 0,
+      used_bytes BIGINT NOT NULL DEFAULT 0)
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS containers(account TEXT NOT NULL, container TEXT NOT NULL,
+      last_seq BIGINT NOT NULL DEFAULT 0, kv_seq BIGINT NOT NULL DEFAULT 0, PRIMARY KEY(account, container))
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS items(account TEXT NOT NULL, container TEXT NOT NULL, item_id TEXT NOT NULL,
+      change_seq BIGINT NOT NULL, etag TEXT NOT NULL, deleted BOOLEAN NOT NULL, record TEXT NOT NULL,
+      PRIMARY KEY(account, container, item_id))
+    """,
+    "CREATE INDEX IF NOT EXISTS items_by_seq ON items(account, container, change_seq)",
+    """
+    CREATE TABLE IF NOT EXISTS chunks(account TEXT NOT NULL, hash TEXT NOT NULL, size BIGINT NOT NULL,
+      PRIMARY KEY(account, hash))
+    """,
+    """
+    CREATE TABLE IF NOT EXISTS tokens(id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, account TEXT NOT NULL,
+      device TEXT NOT NULL, created_at BIGINT NOT NULL, revoked BOOLEAN NOT NULL DEFAULT FALSE)
+    """,
+    "CREATE INDEX IF NOT EXISTS tokens_by_account ON tokens(account)",
+    """
+    CREATE TABLE IF NOT EXISTS kv(account TEXT NOT NULL, container TEXT NOT NULL, key TEXT NOT NULL,
+      value TEXT, timestamp BIGINT NOT NULL, device TEXT NOT NULL, seq BIGINT NOT NULL, cost BIGINT NOT NULL,
+      PRIMARY KEY(account, container, key))
+    """,
+    "CREATE INDEX IF NOT EXISTS kv_by_seq ON kv(account, container, seq)",
+  ]
+
+  static func first<T: PostgresDecodable & Sendable>(_ rows: PostgresRowSequence, _ type: T.Type) async throws -> T? {
+    for try await value in rows.decode(T.self) { return value }
+    return nil
+  }
+
+  // MARK: MetadataStore
+
+  public func ensureAccount(_ account: String) async throws {
+    try await read { conn in
+      try await conn.query(
+        "INSERT INTO accounts(name) VALUES (\(account)) ON CONFLICT (name) DO NOTHING", logger: log)
+    }
+  }
+
+  public func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws {
+    try await transaction { conn in
+      let inserted = try await Self.first(
+        try await conn.query(
+          """
+          INSERT INTO containers(account, container) VALUES (\(account), \(container))
+          ON CONFLICT (account, container) DO NOTHING RETURNING 1
+          """, logger: log), Int32.self)
+      guard inserted != nil else { return }
+      for item in seed { _ = try await self.store(conn, account, container, item) }
+    }
+  }
+
+  public func containers(account: String) async throws -> [String] {
+    try await read { conn in
+      var out: [String] = []
+      for try await c in try await conn.query(
+        "SELECT container FROM containers WHERE account = \(account) ORDER BY container", logger: log
+      ).decode(String.self) {
+        out.append(c)
+      }
+      return out
+    }
+  }
+
+  public func item(account: String, container: String, itemID: String) async throws -> CloudItem? {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          "SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)",
+          logger: log), String.self
+      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+    }
+  }
+
+  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws
+    -> CloudItem
+  {
+    try await transaction { conn in
+      // The container row lock serializes commits per container: sequence numbers are handed
+      // out and committed in order, so a change feed reader never skips one.
+      guard
+        try await Self.first(
+          try await conn.query(
+            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container) FOR UPDATE",
+            logger: log), Int64.self) != nil
+      else { throw CloudError.notFound("container \(container)") }
+      let current = try await Self.first(
+        try await conn.query(
+          """
+          SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(item.itemID)
+          """, logger: log), String.self
+      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+      try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
+      return try await self.store(conn, account, container, item)
+    }
+  }
+
+  func store(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem) async throws
+    -> CloudItem
+  {
+    guard
+      let seq = try await Self.first(
+        try await conn.query(
+          """
+          UPDATE containers SET last_seq = last_seq + 1 WHERE account = \(account) AND container = \(container)
+          RETURNING last_seq
+          """, logger: log), Int64.self)
+    else { throw CloudError.notFound("container \(container)") }
+    var record = item
+    record.changeSeq = seq
+    record.etag = String(seq)
+    let json = String(decoding: try Self.encoder.encode(record), as: UTF8.self)
+    try await conn.query(
+      """
+      INSERT INTO items(account, container, item_id, change_seq, etag, deleted, record)
+      VALUES (\(account), \(container), \(record.itemID), \(seq), \(record.etag), \(record.deleted), \(json))
+      ON CONFLICT (account, container, item_id) DO UPDATE SET change_seq = EXCLUDED.change_seq,
+        etag = EXCLUDED.etag, deleted = EXCLUDED.deleted, record = EXCLUDED.record
+      """, logger: log)
+    return record
+  }
+
+  public func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch {
+    try await read { conn in
+      var rows: [(Int64, String)] = []
+      for try await row in try await conn.query(
+        """
+        SELECT change_seq, record FROM items WHERE account = \(account) AND container = \(container)
+        AND change_seq > \(since) ORDER BY change_seq LIMIT \(Int64(limit + 1))
+        """, logger: log
+      ).decode((Int64, String).self) {
+        rows.append(row)
+      }
+      let page = rows.prefix(limit)
+      let items = try page.map { try Self.decoder.decode(CloudItem.self, from: Data($0.1.utf8)) }
+      return ChangeBatch(items: items, token: page.last?.0 ?? since, hasMore: rows.count > limit)
+    }
+  }
+
+  public func lastChange(account: String, container: String) async throws -> Int64 {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+        Int64.self) ?? 0
+    }
+  }
+
+  public func knownChunks(account: String, hashes: [String]) async throws -> Set<String> {
+    if hashes.isEmpty { return [] }
+    return try await read { conn in
+      var found = Set<String>()
+      for batch in stride(from: 0, to: hashes.count, by: 1000) {
+        let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+        for try await h in try await conn.query(
+          "SELECT hash FROM chunks WHERE account = \(account) AND hash = ANY(\(slice))", logger: log
+        ).decode(String.self) {
+          found.insert(h)
+        }
+      }
+      return found
+    }
+  }
+
+  public func chunkSize(account: String, hash: String) async throws -> Int64? {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          "SELECT size FROM chunks WHERE account = \(account) AND hash = \(hash)", logger: log), Int64.self)
+    }
+  }
+
+  public func recordChunk(account: String, hash: String, size: Int64) async throws {
+    try await transaction { conn in
+      let (used, quota) = try await self.usageRow(conn, account, lock: true)
+      if try await Self.first(
+        try await conn.query(
+          "SELECT 1::INT4 FROM chunks WHERE account = \(account) AND hash = \(hash)", logger: log), Int32.self) != nil
+      {
+        return
+      }
+      if quota > 0 && used + size > quota {
+        throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
+      }
+      try await conn.query(
+        "INSERT INTO chunks(account, hash, size) VALUES (\(account), \(hash), \(size))", logger: log)
+      try await conn.query(
+        "UPDATE accounts SET used_bytes = used_bytes + \(size) WHERE name = \(account)", logger: log)
+    }
+  }
+
+  func usageRow(_ conn: PostgresConnection, _ account: String, lock: Bool = false) async throws -> (Int64, Int64) {
+    let rows =
+      lock
+      ? try await conn.query(
+        "SELECT used_bytes, quota_bytes FROM accounts WHERE name = \(account) FOR UPDATE", logger: log)
+      : try await conn.query("SELECT used_bytes, quota_bytes FROM accounts WHERE name = \(account)", logger: log)
+    for try await row in rows.decode((Int64, Int64).self) { return row }
+    throw CloudError.notFound("account \(account)")
+  }
+
+  public func usage(account: String) async throws -> Usage {
+    try await read { conn in
+      let (u, q) = try await self.usageRow(conn, account)
+      return Usage(usedBytes: u, quotaBytes: q)
+    }
+  }
+
+  public func setQuota(account: String, bytes: Int64) async throws {
+    try await transaction { conn in
+      _ = try await self.usageRow(conn, account, lock: true)
+      try await conn.query("UPDATE accounts SET quota_bytes = \(bytes) WHERE name = \(account)", logger: log)
+    }
+  }
+
+  // MARK: AccountStore
+
+  public func createAccount(_ account: String, quotaBytes: Int64) async throws {
+    try await read { conn in
+      let inserted = try await Self.first(
+        try await conn.query(
+          """
+          INSERT INTO accounts(name, quota_bytes) VALUES (\(account), \(quotaBytes))
+          ON CONFLICT (name) DO NOTHING RETURNING 1::INT4
+          """, logger: log), Int32.self)
+      if inserted == nil { throw CloudError.exists("account \(account)") }
+    }
+  }
+
+  public func accountExists(_ account: String) async throws -> Bool {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query("SELECT 1::INT4 FROM accounts WHERE name = \(account)", logger: log), Int32.self) != nil
+    }
+  }
+
+  public func accounts() async throws -> [String] {
+    try await read { conn in
+      var out: [String] = []
+      for try await n in try await conn.query("SELECT name FROM accounts ORDER BY name", logger: log).decode(
+        String.self)
+      {
+        out.append(n)
+      }
+      return out
+    }
+  }
+
+  public func addToken(_ record: TokenRecord, tokenHash: String) async throws {
+    try await transaction { conn in
+      _ = try await self.usageRow(conn, record.account)
+      try await conn.query(
+        """
+        INSERT INTO tokens(id, hash, account, device, created_at, revoked)
+        VALUES (\(record.id), \(tokenHash), \(record.account), \(record.device), \(record.createdAt), FALSE)
+        """, logger: log)
+    }
+  }
+
+  func tokenRecords(_ rows: PostgresRowSequence) async throws -> [TokenRecord] {
+    var out: [TokenRecord] = []
+    for try await (id, account, device, created, revoked) in rows.decode((String, String, String, Int64, Bool).self) {
+      out.append(TokenRecord(id: id, account: account, device: device, createdAt: created, revoked: revoked))
+    }
+    return out
+  }
+
+  public func token(hash tokenHash: String) async throws -> TokenRecord? {
+    try await read { conn in
+      try await self.tokenRecords(
+        try await conn.query(
+          """
+          SELECT id, account, device, created_at, revoked FROM tokens WHERE hash = \(tokenHash) AND NOT revoked
+          """, logger: log)
+      ).first
+    }
+  }
+
+  public func tokens(account: String) async throws -> [TokenRecord] {
+    try await read { conn in
+      try await self.tokenRecords(
+        try await conn.query(
+          """
+          SELECT id, account, device, created_at, revoked FROM tokens WHERE account = \(account)
+          ORDER BY created_at, id
+          """, logger: log))
+    }
+  }
+
+  public func revokeToken(account: String, id: String) async throws -> Bool {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          """
+          UPDATE tokens SET revoked = TRUE WHERE account = \(account) AND id = \(id) AND NOT revoked RETURNING 1::INT4
+          """, logger: log), Int32.self) != nil
+    }
+  }
+
+  public func revokeTokens(account: String, device: String?) async throws -> Int {
+    try await read { conn in
+      let rows =
+        if let device {
+          try await conn.query(
+            """
+            UPDATE tokens SET revoked = TRUE WHERE account = \(account) AND device = \(device) AND NOT revoked
+            RETURNING 1::INT4
+            """, logger: log)
+        } else {
+          try await conn.query(
+            "UPDATE tokens SET revoked = TRUE WHERE account = \(account) AND NOT revoked RETURNING 1::INT4",
+            logger: log)
+        }
+      var n = 0
+      for try await _ in rows.decode(Int32.self) { n += 1 }
+      return n
+    }
+  }
+
+  // MARK: KeyValueStorage
+
+  func kvRows(_ rows: PostgresRowSequence) async throws -> [KVEntry] {
+    var out: [KVEntry] = []
+    for try await (key, value, ts, device, seq) in rows.decode((String, String?, Int64, String, Int64).self) {
+      let v = try value.map { try Self.decoder.decode(JSONValue.self, from: Data($0.utf8)) }
+      out.append(KVEntry(key: key, value: v, timestamp: ts, device: device, seq: seq))
+    }
+    return out
+  }
+
+  func kvTotals(_ conn: PostgresConnection, _ account: String, _ container: String, except key: String?) async throws
+    -> (Int64, Int)
+  {
+    let k = key ?? ""
+    for try await (used, n) in try await conn.query(
+      """
+      SELECT COALESCE(SUM(cost), 0)::INT8, COUNT(*)::INT8 FROM kv WHERE account = \(account)
+      AND container = \(container) AND value IS NOT NULL AND key <> \(k)
+      """, logger: log
+    ).decode((Int64, Int64).self) {
+      return (used, Int(n))
+    }
+    return (0, 0)
+  }
+
+  public func kvEntries(account: String, container: String, since: Int64) async throws -> KVSnapshot {
+    try await transaction { conn in
+      guard
+        let head = try await Self.first(
+          try await conn.query(
+            "SELECT kv_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+          Int64.self)
+      else { throw CloudError.notFound("container \(container)") }
+      let rows =
+        since == 0
+        ? try await conn.query(
+          """
+          SELECT key, value, timestamp, device, seq FROM kv WHERE account = \(account) AND container = \(container)
+          AND value IS NOT NULL ORDER BY seq
+          """, logger: log)
+        : try await conn.query(
+          """
+          SELECT key, value, timestamp, device, seq FROM kv WHERE account = \(account) AND container = \(container)
+          AND seq > \(since) ORDER BY seq
+          """, logger: log)
+      let entries = try await self.kvRows(rows)
+      let (used, n) = try await self.kvTotals(conn, account, container, except: nil)
+      return KVSnapshot(entries: entries, token: head, usedBytes: used, keyCount: n)
+    }
+  }
+
+  public func kvWrite(account: String, container: String, write: KVWrite, limits: KVLimits) async throws
+    -> KVWriteResult
+  {
+    let cost = try KVLimits.cost(key: write.key, value: write.value)
+    let text = try write.value.map { String(decoding: try $0.jsonData(), as: UTF8.self) }
+    return try await transaction { conn in
+      // The container row lock serializes writers of one store, so the totals check holds.
+      guard
+        let kvSeq = try await Self.first(
+          try await conn.query(
+            "SELECT kv_seq FROM containers WHERE account = \(account) AND container = \(container) FOR UPDATE",
+            logger: log), Int64.self)
+      else { throw CloudError.notFound("container \(container)") }
+      let current = try await self.kvRows(
+        try await conn.query(
+          """
+          SELECT key, value, timestamp, device, seq FROM kv WHERE account = \(account) AND container = \(container)
+          AND key = \(write.key)
+          """, logger: log)
+      ).first
+      if let current, !current.isReplaced(byTimestamp: write.timestamp, device: write.device) {
+        return KVWriteResult(applied: false, entry: current, token: kvSeq)
+      }
+      if write.value != nil {
+        let (used, n) = try await self.kvTotals(conn, account, container, except: write.key)
+        try KVQuota.check(otherBytes: used, otherKeys: n, cost: cost, limits: limits)
+      }
+      let seq = kvSeq + 1
+      try await conn.query(
+        "UPDATE containers SET kv_seq = \(seq) WHERE account = \(account) AND container = \(container)", logger: log)
+      try await conn.query(
+        """
+        INSERT INTO kv(account, container, key, value, timestamp, device, seq, cost)
+        VALUES (\(account), \(container), \(write.key), \(text), \(write.timestamp), \(write.device), \(seq), \(cost))
+        ON CONFLICT (account, container, key) DO UPDATE SET value = EXCLUDED.value, timestamp = EXCLUDED.timestamp,
+          device = EXCLUDED.device, seq = EXCLUDED.seq, cost = EXCLUDED.cost
+        """, logger: log)
+      return KVWriteResult(
+        applied: true,
+        entry: KVEntry(key: write.key, value: write.value, timestamp: write.timestamp, device: write.device, seq: seq),
+        token: seq)
+    }
+  }
+}

@@ -1,0 +1,138 @@
+import AsyncHTTPClient
+import Foundation
+import NIOCore
+import NIOFoundationCompat
+import NIOHTTP1
+import UbiqCloud
+import UbiqCore
+
+/// Where a `ubiqfs serve` is and which bearer token to send. Owns request building, the
+/// timeouts every request is bounded by, and the mapping of HTTP errors back to `CloudError`.
+public struct APIClient: Sendable {
+  public let baseURL: String
+  public let token: String
+  /// Bound for ordinary requests (connect is bounded separately by the shared client: 2 s).
+  public var requestTimeout: TimeAmount = .seconds(30)
+
+  public init(baseURL: String, token: String) throws {
+    var base = baseURL.trimmingCharacters(in: .whitespaces)
+    while base.hasSuffix("/") { base.removeLast() }
+    guard let url = URL(string: base), url.scheme == "http" || url.scheme == "https", url.host != nil else {
+      throw CloudError.invalid("server URL '\(baseURL)' must look like http://host:port")
+    }
+    self.baseURL = base
+    self.token = token
+  }
+
+  /// One process-wide HTTP client: 2 s connect timeout, connections kept alive. Never shut
+  /// down (it lives as long as the process).
+  public static let http: HTTPClient = {
+    var config = HTTPClient.Configuration(
+      timeout: .init(connect: .seconds(2), read: .seconds(90)),
+      connectionPool: .init(idleTimeout: .seconds(60), concurrentHTTP1ConnectionsPerHostSoftLimit: 16))
+    config.httpVersion = .http1Only
+    config.decompression = .disabled
+    return HTTPClient(eventLoopGroupProvider: .singleton, configuration: config)
+  }()
+
+  static let encoder = JSONEncoder()
+  static let decoder = JSONDecoder()
+
+  /// Percent-encodes one path segment (RFC 3986 unreserved characters stay as they are).
+  public static func segment(_ s: String) -> String {
+    var allowed = CharacterSet.alphanumerics.intersection(
+      CharacterSet(charactersIn: Unicode.Scalar(0)..<Unicode.Scalar(128)))
+    allowed.insert(charactersIn: "-._~")
+    return s.addingPercentEncoding(withAllowedCharacters: allowed) ?? s
+  }
+
+  /// Sends a request and returns status, headers and body; transport failures and timeouts
+  /// become `CloudError.unavailable`, error statuses the matching `CloudError`.
+  public func send(
+    _ method: HTTPMethod, _ path: String, query: [(String, String)] = [], body: Data? = nil,
+    contentType: String = "application/json", headers: [(String, String)] = [], timeout: TimeAmount? = nil,
+    accept: Set<Int> = []
+  ) async throws -> (status: Int, headers: HTTPHeaders, body: Data) {
+    var url = baseURL + path
+    if !query.isEmpty {
+      url += "?" + query.map { "\(Self.segment($0.0))=\(Self.segment($0.1))" }.joined(separator: "&")
+    }
+    var req = HTTPClientRequest(url: url)
+    req.method = method
+    req.headers.add(name: "Authorization", value: "Bearer \(token)")
+    req.headers.add(name: "Accept", value: "application/json")
+    for (k, v) in headers { req.headers.add(name: k, value: v) }
+    if let body {
+      req.headers.add(name: "Content-Type", value: contentType)
+      req.headers.add(name: "Content-Length", value: String(body.count))
+      req.body = .bytes(ByteBuffer(data: body))
+    }
+    let status: Int
+    let respHeaders: HTTPHeaders
+    let data: Data
+    do {
+      let resp = try await Self.http.execute(req, timeout: timeout ?? requestTimeout)
+      status = Int(resp.status.code)
+      respHeaders = resp.headers
+      data = Data(buffer: try await resp.body.collect(upTo: 256 << 20))
+    } catch let e as CloudError {
+      throw e
+    } catch is CancellationError {
+      throw CancellationError()
+    } catch {
+      throw CloudError.unavailable("\(method.rawValue) \(baseURL)\(path): \(Self.describe(error))")
+    }
+    if (200..<300).contains(status) || accept.contains(status) { return (status, respHeaders, data) }
+    throw Self.error(status: status, body: data)
+  }
+
+  static func describe(_ error: Error) -> String {
+    if let e = error as? HTTPClientError {
+      switch e {
+      case .connectTimeout: return "connect timed out"
+      case .readTimeout, .deadlineExceeded: return "request timed out"
+      case .remoteConnectionClosed: return "the server closed the connection"
+      default: return "\(e)"
+      }
+    }
+    return "\(error)"
+  }
+
+  /// The JSON error body every non-2xx response carries.
+  public struct ErrorBody: Codable, Sendable {
+    public var error: String
+    public var code: String
+    public var current: CloudItem?
+    public var missing: [String]?
+    public var usage: Usage?
+  }
+
+  /// Maps an error response back to the typed error the engine threw on the server.
+  public static func error(status: Int, body: Data) -> Error {
+    let parsed = try? decoder.decode(ErrorBody.self, from: body)
+    let message = parsed?.error ?? String(decoding: body.prefix(300), as: UTF8.self)
+    switch (status, parsed?.code ?? "") {
+    case (409, "conflict"):
+      if let current = parsed?.current { return CloudError.conflict(current: current) }
+      return CloudError.invalid(message)
+    case (409, "exists"): return CloudError.exists(message)
+    case (_, "missing_chunks"): return CloudError.missingChunks(parsed?.missing ?? [])
+    case (_, "hash_mismatch"): return CloudError.hashMismatch(message)
+    case (_, "kv_quota"): return KeyValueError.quotaViolation(message)
+    case (_, "invalid_key"): return KeyValueError.invalidKey(message)
+    case (507, _): return CloudError.quotaExceeded(parsed?.usage ?? Usage(usedBytes: 0, quotaBytes: 0))
+    case (404, _): return CloudError.notFound(message)
+    case (401, _), (403, _): return CloudError.unauthorized(message)
+    case (400, _), (413, _), (416, _), (422, _): return CloudError.invalid(message)
+    default: return CloudError.unavailable("HTTP \(status): \(message)")
+    }
+  }
+
+  public func json<T: Decodable>(_ type: T.Type, _ data: Data) throws -> T {
+    do { return try Self.decoder.decode(T.self, from: data) } catch {
+      throw CloudError.unavailable("the server sent an unreadable \(T.self): \(error)")
+    }
+  }
+
+  public func encode<T: Encodable>(_ value: T) throws -> Data { try Self.encoder.encode(value) }
+}

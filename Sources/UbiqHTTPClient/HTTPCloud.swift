@@ -1,0 +1,139 @@
+import AsyncHTTPClient
+import Foundation
+import NIOCore
+import NIOHTTP1
+import UbiqCloud
+import UbiqCore
+
+/// `CloudService` over the HTTP API of `ubiqfs serve` (docs/protocol.md), for one signed-in
+/// account. Every request is bounded (2 s connect, 30 s request, long-polls their timeout
+/// plus 15 s), so an unreachable server surfaces as `CloudError.unavailable`, never a hang.
+public final class HTTPCloud: CloudService, @unchecked Sendable {
+  public let api: APIClient
+
+  public init(api: APIClient) { self.api = api }
+
+  func containerPath(_ c: ContainerID) -> String { "/v1/containers/\(APIClient.segment(c.rawValue))" }
+
+  public func ensureContainer(_ container: ContainerID) async throws {
+    _ = try await api.send(.PUT, containerPath(container))
+  }
+
+  struct MissingRequest: Codable { var hashes: [String] }
+  struct MissingResponse: Codable { var missing: [String] }
+
+  public func missingChunks(_ hashes: [String]) async throws -> Set<String> {
+    var missing = Set<String>()
+    // Keep each request small (the server bounds JSON bodies).
+    for start in stride(from: 0, to: hashes.count, by: 10_000) {
+      let slice = Array(hashes[start..<min(start + 10_000, hashes.count)])
+      let r = try await api.send(.POST, "/v1/chunks/missing", body: try api.encode(MissingRequest(hashes: slice)))
+      missing.formUnion(try api.json(MissingResponse.self, r.body).missing)
+    }
+    return missing
+  }
+
+  public func putChunk(hash: String, data: Data) async throws {
+    _ = try await api.send(
+      .PUT, "/v1/chunks/\(APIClient.segment(hash))", body: data, contentType: "application/octet-stream",
+      timeout: .seconds(60))
+  }
+
+  public func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
+    var headers: [(String, String)] = []
+    if let range {
+      if range.isEmpty { return Data() }
+      headers.append(("Range", "bytes=\(range.lowerBound)-\(range.upperBound - 1)"))
+    }
+    let r = try await api.send(
+      .GET, "/v1/chunks/\(APIClient.segment(hash))", headers: headers, timeout: .seconds(60), accept: [416])
+    return r.status == 416 ? Data() : r.body
+  }
+
+  func itemPath(_ c: ContainerID, _ id: String) -> String { containerPath(c) + "/items/\(APIClient.segment(id))" }
+
+  public func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
+    let headers = ifMatch.map { [("If-Match", "\"\($0)\"")] } ?? []
+    let r = try await api.send(.PUT, itemPath(container, item.itemID), body: try api.encode(item), headers: headers)
+    return try api.json(CloudItem.self, r.body)
+  }
+
+  public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
+    -> CloudItem
+  {
+    let headers = ifMatch.map { [("If-Match", "\"\($0)\"")] } ?? []
+    let r = try await api.send(
+      .DELETE, itemPath(container, itemID), query: [("device", deviceID)], headers: headers)
+    return try api.json(CloudItem.self, r.body)
+  }
+
+  public func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
+    do {
+      let r = try await api.send(.GET, itemPath(container, itemID))
+      return try api.json(CloudItem.self, r.body)
+    } catch CloudError.notFound {
+      return nil
+    }
+  }
+
+  public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
+    let r = try await api.send(
+      .GET, containerPath(container) + "/changes", query: [("since", String(since)), ("limit", String(limit))])
+    return try api.json(ChangeBatch.self, r.body)
+  }
+
+  public func usage() async throws -> Usage {
+    try api.json(Usage.self, try await api.send(.GET, "/v1/usage").body)
+  }
+
+  struct WaitResponse: Codable {
+    var changed: Bool
+    var token: Int64
+  }
+
+  public func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
+    let ms = max(0, min(timeoutMs, 60_000))
+    let r = try await api.send(
+      .GET, containerPath(container) + "/changes/wait", query: [("since", String(since)), ("timeout", String(ms))],
+      timeout: .milliseconds(Int64(ms) + 15_000))
+    return try api.json(WaitResponse.self, r.body).changed
+  }
+
+  /// The account's containers.
+  public func containers() async throws -> [String] {
+    struct List: Codable { var containers: [String] }
+    return try api.json(List.self, try await api.send(.GET, "/v1/containers").body).containers
+  }
+}
+
+/// `KeyValueService` over the HTTP API (the per-container key-value store).
+public final class HTTPKeyValue: KeyValueService, @unchecked Sendable {
+  public let api: APIClient
+  public init(api: APIClient) { self.api = api }
+
+  func kvPath(_ c: ContainerID) -> String { "/v1/containers/\(APIClient.segment(c.rawValue))/kv" }
+
+  public func kvEntries(_ container: ContainerID, since: Int64) async throws -> KVSnapshot {
+    let r = try await api.send(.GET, kvPath(container), query: [("since", String(since))])
+    return try api.json(KVSnapshot.self, r.body)
+  }
+
+  struct PutBody: Codable {
+    var value: JSONValue
+    var timestamp: Int64
+    var device: String
+  }
+
+  public func kvWrite(_ container: ContainerID, _ write: KVWrite) async throws -> KVWriteResult {
+    let path = kvPath(container) + "/" + APIClient.segment(write.key)
+    let r: (status: Int, headers: HTTPHeaders, body: Data)
+    if let value = write.value {
+      r = try await api.send(
+        .PUT, path, body: try api.encode(PutBody(value: value, timestamp: write.timestamp, device: write.device)))
+    } else {
+      r = try await api.send(
+        .DELETE, path, query: [("timestamp", String(write.timestamp)), ("device", write.device)])
+    }
+    return try api.json(KVWriteResult.self, r.body)
+  }
+}

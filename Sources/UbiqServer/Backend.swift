@@ -1,0 +1,95 @@
+import AsyncHTTPClient
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCloudScale
+import UbiqCore
+
+/// Which storage engine a server (or an admin command) uses.
+public enum StorageConfig: Sendable {
+  /// SQLite metadata and a blob folder in one directory (the default).
+  case embedded(directory: URL)
+  /// PostgreSQL metadata and chunks in an S3-compatible bucket; any number of servers may share them.
+  case scaleOut(postgresURL: String, s3: S3Config)
+
+  public var summary: String {
+    switch self {
+    case .embedded(let dir): return "embedded (SQLite + blob folder in \(dir.path))"
+    case .scaleOut(let url, let s3):
+      let safe =
+        (URLComponents(string: url).map { c -> String in
+          var c = c
+          if c.password != nil { c.password = "***" }
+          return c.string ?? "postgres://..."
+        }) ?? "postgres://..."
+      return "scale-out (PostgreSQL \(safe), S3 \(s3.endpoint)/\(s3.bucket))"
+    }
+  }
+}
+
+/// The opened stores of one engine. Owns their lifetimes: PostgreSQL's connection pool runs
+/// and the S3 HTTP client lives exactly as long as `Backend.with`'s body.
+public struct Backend: Sendable {
+  public let metadata: ServerMetadataStore
+  public let blobs: BlobStore
+
+  /// Opens the engine (creating the schema and bucket if needed), runs `body`, closes it.
+  public static func with<T: Sendable>(
+    _ config: StorageConfig, logger: Logger, _ body: @Sendable (Backend) async throws -> T
+  ) async throws -> T {
+    switch config {
+    case .embedded(let dir):
+      try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+      let meta = try SQLiteMetadataStore(path: dir.appendingPathComponent("cloud.sqlite").path)
+      let blobs = try FolderBlobStore(root: dir.appendingPathComponent("blobs"))
+      return try await body(Backend(metadata: meta, blobs: blobs))
+    case .scaleOut(let url, let s3):
+      // The pool's own chatter (e.g. a lease racing run() at start-up) stays out of the log;
+      // failures still surface as errors of the queries that hit them.
+      var poolLogger = logger
+      poolLogger.logLevel = .error
+      let store = try PostgresMetadataStore(url: url, logger: poolLogger)
+      let http = HTTPClient(
+        eventLoopGroupProvider: .singleton,
+        configuration: .init(timeout: .init(connect: .seconds(5), read: .seconds(60))))
+      do {
+        let result = try await withThrowingTaskGroup(of: Void.self) { group in
+          group.addTask { await store.client.run() }
+          defer { group.cancelAll() }
+          try await store.migrate()
+          let blobs = try S3BlobStore(config: s3, http: http)
+          try await blobs.ensureBucket()
+          return try await body(Backend(metadata: store, blobs: blobs))
+        }
+        try await http.shutdown()
+        return result
+      } catch {
+        try? await http.shutdown()
+        throw error
+      }
+    }
+  }
+
+  /// An engine bound to one account.
+  public func engine(account: String) -> CloudEngine {
+    CloudEngine(account: account, metadata: metadata, blobs: blobs)
+  }
+
+  /// Creates an account and its first token; returns the token (shown once, stored hashed).
+  public func createAccount(_ name: String, quotaBytes: Int64, device: String) async throws -> (String, TokenRecord) {
+    try AccountName.validate(name)
+    try await metadata.createAccount(name, quotaBytes: quotaBytes)
+    return try await issueToken(account: name, device: device)
+  }
+
+  /// A new token for a device of an existing account.
+  public func issueToken(account: String, device: String) async throws -> (String, TokenRecord) {
+    try AccountName.validateDevice(device)
+    guard try await metadata.accountExists(account) else { throw CloudError.notFound("account \(account)") }
+    let token = BearerToken.generate()
+    let record = TokenRecord(
+      id: BearerToken.newID(), account: account, device: device, createdAt: Int64(Date().timeIntervalSince1970))
+    try await metadata.addToken(record, tokenHash: BearerToken.hash(token))
+    return (token, record)
+  }
+}

@@ -1,0 +1,140 @@
+import ArgumentParser
+import Foundation
+import UbiqCloud
+import UbiqCore
+import UbiqHTTPClient
+
+/// `ubiqfs account login|logout|status`: sign this machine in to a `ubiqfs serve` account.
+struct AccountCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "account", abstract: "Sign in to a ubiqfs server account, sign out, show the account.",
+    subcommands: [Login.self, Logout.self, Status.self])
+
+  /// Sign-in changes which cloud and state folders mounts use, so it waits for unmounts.
+  static func refuseWhileMounted(_ paths: Paths) throws {
+    let mounted = ContainerState.all(paths).filter { $0.daemon != nil }
+    if let m = mounted.first {
+      throw UbiqError.busy(
+        "\(m.container) is mounted at \(m.daemon!.mountpoint); unmount every container before switching accounts")
+    }
+  }
+
+  struct Login: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      abstract: "Sign in with a token from 'ubiqfs server account create'; this device gets its own token.")
+    @Option(help: "Server URL, e.g. http://127.0.0.1:8443.") var server: String
+    @Option(help: "An account token (or set UBIQFS_TOKEN).") var token: String?
+    @Option(help: "Name of this device (default: the host name).") var device: String?
+    @OptionGroup var location: LocationOptions
+
+    func run() throws {
+      try cli {
+        let paths = location.paths
+        try AccountCommand.refuseWhileMounted(paths)
+        guard let token = token ?? ProcessInfo.processInfo.environment["UBIQFS_TOKEN"], !token.isEmpty else {
+          throw UbiqError.invalidArgument("give --token TOKEN (or set UBIQFS_TOKEN)")
+        }
+        let api: APIClient
+        do { api = try APIClient(baseURL: server, token: token) } catch let e as CloudError {
+          throw UbiqError.invalidArgument(e.description)
+        }
+        let name = device ?? ProcessInfo.processInfo.hostName
+        let (info, issued) = try runBlocking {
+          let info = try await AccountAPI(api: api).accountInfo()
+          let issued = try await AccountAPI(api: api).registerDevice(name: name)
+          return (info, issued)
+        }
+        let config = AccountConfig(
+          server: api.baseURL, account: info.account, device: issued.device.device, tokenID: issued.device.id,
+          token: issued.token)
+        try config.save(paths)
+        print("signed in to \(api.baseURL) as \(info.account) (device \(name), token \(issued.device.id))")
+      }
+    }
+  }
+
+  struct Logout: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      abstract: "Sign out: revoke this device's token on the server and forget it.")
+    @OptionGroup var location: LocationOptions
+
+    func run() throws {
+      try cli {
+        let paths = location.paths
+        guard let config = try AccountConfig.load(paths) else {
+          print("not signed in")
+          return
+        }
+        try AccountCommand.refuseWhileMounted(paths)
+        let api = try config.api
+        do {
+          try runBlocking { try await AccountAPI(api: api).revoke(tokenID: "current") }
+        } catch {
+          eprint("ubiqfs: warning: could not revoke the token on the server (\(error)); it stays valid there")
+        }
+        try AccountConfig.remove(paths)
+        print("signed out of \(config.account) at \(config.server)")
+      }
+    }
+  }
+
+  struct Status: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "Show the signed-in account and its usage.")
+    @Flag(help: "Machine-readable output.") var json = false
+    @OptionGroup var location: LocationOptions
+
+    struct Report: Codable {
+      var signedIn: Bool
+      var server: String?
+      var account: String
+      var device: String?
+      var reachable: Bool?
+      var usedBytes: Int64?
+      var quotaBytes: Int64?
+      var error: String?
+    }
+
+    func run() throws {
+      try cli {
+        let paths = location.paths
+        guard let config = try AccountConfig.load(paths) else {
+          let r = Report(signedIn: false, account: AccountName.local)
+          if json {
+            try printJSON(r)
+          } else {
+            print("not signed in: mounts use the embedded cloud (\(paths.cloudDir.path))")
+          }
+          return
+        }
+        var r = Report(signedIn: true, server: config.server, account: config.account, device: config.device)
+        let api = try config.api
+        do {
+          let info = try runBlocking { try await AccountAPI(api: api).accountInfo() }
+          r.reachable = true
+          r.usedBytes = info.usage.usedBytes
+          r.quotaBytes = info.usage.quotaBytes
+        } catch {
+          r.reachable = false
+          r.error = "\(error)"
+        }
+        if json {
+          try printJSON(r)
+          return
+        }
+        print("account \(config.account) at \(config.server) (device \(config.device))")
+        if r.reachable == true {
+          let quota = r.quotaBytes! > 0 ? formatBytes(r.quotaBytes!) : "unlimited"
+          print("used \(formatBytes(r.usedBytes!)) of \(quota)")
+        } else {
+          print("server unreachable: \(r.error ?? "")")
+        }
+      }
+    }
+  }
+}
+
+func printJSON<T: Encodable>(_ value: T) throws {
+  let e = JSONEncoder()
+  e.outputFormatting = [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
+  print(String(decoding: try e.encode(value), as: UTF8.self))
+}

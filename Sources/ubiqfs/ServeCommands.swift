@@ -1,0 +1,241 @@
+import ArgumentParser
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCloudScale
+import UbiqCore
+import UbiqServer
+
+/// Which engine `serve` and the `server` admin commands use: `--data DIR` (embedded,
+/// the default) or `--postgres URL` plus the `--s3-*` options (scale-out). Every option can
+/// also come from the environment (secrets belong there, not on the command line).
+struct StorageOptions: ParsableArguments {
+  @Option(help: "Embedded engine folder (SQLite + blobs). Default: $UBIQFS_SERVER_DIR or <state dir>/server.")
+  var data: String?
+  @Option(help: "PostgreSQL URL for the scale-out engine ($UBIQFS_POSTGRES_URL), e.g. postgres://u:p@host/db.")
+  var postgres: String?
+  @Option(help: "S3 endpoint URL ($UBIQFS_S3_ENDPOINT), e.g. http://127.0.0.1:8333.") var s3Endpoint: String?
+  @Option(help: "S3 bucket ($UBIQFS_S3_BUCKET).") var s3Bucket: String?
+  @Option(help: "S3 access key ($UBIQFS_S3_ACCESS_KEY).") var s3AccessKey: String?
+  @Option(help: "S3 secret key ($UBIQFS_S3_SECRET_KEY).") var s3SecretKey: String?
+  @Option(help: "S3 region ($UBIQFS_S3_REGION, default us-east-1).") var s3Region: String?
+  @Option(help: "Prefix for every object key ($UBIQFS_S3_PREFIX).") var s3Prefix: String?
+  @Option(help: "Folder for local state (used for the default --data).") var stateDir: String?
+
+  func storage() throws -> StorageConfig {
+    let env = ProcessInfo.processInfo.environment
+    func pick(_ v: String?, _ name: String) -> String? {
+      if let v, !v.isEmpty { return v }
+      if let e = env[name], !e.isEmpty { return e }
+      return nil
+    }
+    if let pg = pick(postgres, "UBIQFS_POSTGRES_URL") {
+      if data != nil { throw ValidationError("--data and --postgres exclude each other") }
+      var missing: [String] = []
+      let endpoint = pick(s3Endpoint, "UBIQFS_S3_ENDPOINT")
+      let bucket = pick(s3Bucket, "UBIQFS_S3_BUCKET")
+      let access = pick(s3AccessKey, "UBIQFS_S3_ACCESS_KEY")
+      let secret = pick(s3SecretKey, "UBIQFS_S3_SECRET_KEY")
+      if endpoint == nil { missing.append("--s3-endpoint") }
+      if bucket == nil { missing.append("--s3-bucket") }
+      if access == nil { missing.append("--s3-access-key") }
+      if secret == nil { missing.append("--s3-secret-key") }
+      if !missing.isEmpty {
+        throw ValidationError("the scale-out engine (--postgres) also needs \(missing.joined(separator: ", "))")
+      }
+      return .scaleOut(
+        postgresURL: pg,
+        s3: S3Config(
+          endpoint: endpoint!, bucket: bucket!, accessKey: access!, secretKey: secret!,
+          region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""
+        ))
+    }
+    let dir =
+      pick(data, "UBIQFS_SERVER_DIR") ?? (Paths(stateDir: stateDir, cloudDir: nil).stateRoot.path + "/server")
+    return .embedded(directory: URL(fileURLWithPath: absolutePath(dir)))
+  }
+
+  /// Opens the engine, runs `body` against it, closes it.
+  func withBackend<T: Sendable>(_ body: @escaping @Sendable (Backend) async throws -> T) throws -> T {
+    let storage = try storage()
+    var log = Logger(label: "ubiqfs")
+    log.logLevel = .warning
+    let logger = log
+    return try runBlocking { try await Backend.with(storage, logger: logger, body) }
+  }
+}
+
+/// `ubiqfs serve`: the HTTP API for clients (docs/protocol.md).
+struct ServeCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "serve", abstract: "Serve accounts and their containers over HTTP (docs/protocol.md).")
+
+  @Option(help: "Address and port to listen on.") var listen = "127.0.0.1:8443"
+  @Option(help: "Log level: trace, debug, info, notice, warning, error.") var logLevel = "info"
+  @Option(help: "Milliseconds between checks for changes committed by other server processes.")
+  var pollIntervalMs = 200
+  @OptionGroup var storage: StorageOptions
+
+  func validate() throws {
+    _ = try parseListen(listen)
+    if Logger.Level(rawValue: logLevel) == nil { throw ValidationError("unknown --log-level \(logLevel)") }
+    if pollIntervalMs < 10 { throw ValidationError("--poll-interval-ms must be >= 10") }
+  }
+
+  func run() throws {
+    try cli {
+      let (host, port) = try parseListen(listen)
+      var options = ServeOptions(host: host, port: port, storage: try storage.storage())
+      options.limits.pollIntervalMs = pollIntervalMs
+      var logger = Logger(label: "ubiqfs.serve")
+      logger.logLevel = Logger.Level(rawValue: logLevel) ?? .info
+      let log = logger
+      let opts = options
+      try runBlocking { try await UbiqServer.run(opts, logger: log) }
+    }
+  }
+}
+
+/// `host:port`, `[v6]:port` or `:port` (all interfaces).
+func parseListen(_ s: String) throws -> (String, Int) {
+  guard let colon = s.lastIndex(of: ":"), let port = Int(s[s.index(after: colon)...]), (0...65535).contains(port)
+  else { throw ValidationError("--listen must look like 127.0.0.1:8443") }
+  var host = String(s[..<colon])
+  if host.hasPrefix("[") && host.hasSuffix("]") { host = String(host.dropFirst().dropLast()) }
+  return (host.isEmpty ? "0.0.0.0" : host, port)
+}
+
+/// `ubiqfs server ...`: administration of the server's storage (run where the server's
+/// data folder or database is reachable; it does not need the server to be running).
+struct ServerCommand: ParsableCommand {
+  static let configuration = CommandConfiguration(
+    commandName: "server", abstract: "Manage server accounts and tokens (works on the server's storage directly).",
+    subcommands: [AccountGroup.self, TokenGroup.self])
+
+  struct AccountGroup: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      commandName: "account", abstract: "Create and list accounts, set quotas.",
+      subcommands: [Create.self, List.self, Quota.self])
+
+    struct Create: ParsableCommand {
+      static let configuration = CommandConfiguration(abstract: "Create an account and print its first token.")
+      @Argument(help: "Account name (letters, digits, '.', '-', '_').") var name: String
+      @Option(help: "Quota, e.g. 10G (default: unlimited).") var quota: String?
+      @Option(help: "Device name recorded for the printed token.") var device = "setup"
+      @OptionGroup var storage: StorageOptions
+
+      func run() throws {
+        try cli {
+          let bytes = try quota.map(parseSize) ?? 0
+          let (name, device) = (self.name, self.device)
+          let (token, record) = try storage.withBackend { backend in
+            try await backend.createAccount(name, quotaBytes: bytes, device: device)
+          }
+          eprint("created account \(name) (token id \(record.id)); its token (shown once):")
+          print(token)
+        }
+      }
+    }
+
+    struct List: ParsableCommand {
+      static let configuration = CommandConfiguration(abstract: "List accounts with their usage.")
+      @OptionGroup var storage: StorageOptions
+      func run() throws {
+        try cli {
+          let rows = try storage.withBackend { backend in
+            var out: [(String, Usage)] = []
+            for a in try await backend.metadata.accounts() {
+              out.append((a, try await backend.metadata.usage(account: a)))
+            }
+            return out.map { "\($0.0)\t\($0.1.usedBytes)\t\($0.1.quotaBytes)" }
+          }
+          print("account\tusedBytes\tquotaBytes")
+          rows.forEach { print($0) }
+        }
+      }
+    }
+
+    struct Quota: ParsableCommand {
+      static let configuration = CommandConfiguration(abstract: "Set an account's quota (0 = unlimited).")
+      @Argument var name: String
+      @Argument(help: "e.g. 10G, 500M, 0") var size: String
+      @OptionGroup var storage: StorageOptions
+      func run() throws {
+        try cli {
+          let bytes = try parseSize(size)
+          let name = self.name
+          try storage.withBackend { backend in try await backend.metadata.setQuota(account: name, bytes: bytes) }
+          print("quota of \(name): \(bytes == 0 ? "unlimited" : formatBytes(bytes))")
+        }
+      }
+    }
+  }
+
+  struct TokenGroup: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      commandName: "token", abstract: "Issue, list and revoke bearer tokens.",
+      subcommands: [Create.self, List.self, Revoke.self])
+
+    struct Create: ParsableCommand {
+      static let configuration = CommandConfiguration(abstract: "Issue a new token for a device of an account.")
+      @Argument var account: String
+      @Option(help: "Device name.") var device = "setup"
+      @OptionGroup var storage: StorageOptions
+      func run() throws {
+        try cli {
+          let (account, device) = (self.account, self.device)
+          let (token, record) = try storage.withBackend { backend in
+            try await backend.issueToken(account: account, device: device)
+          }
+          eprint("token id \(record.id) for \(account)/\(device) (shown once):")
+          print(token)
+        }
+      }
+    }
+
+    struct List: ParsableCommand {
+      static let configuration = CommandConfiguration(abstract: "List an account's tokens (never their values).")
+      @Argument var account: String
+      @OptionGroup var storage: StorageOptions
+      func run() throws {
+        try cli {
+          let account = self.account
+          let tokens = try storage.withBackend { backend in try await backend.metadata.tokens(account: account) }
+          print("id\tdevice\tcreated\tstate")
+          for t in tokens {
+            let created = ISO8601DateFormatter().string(from: Date(timeIntervalSince1970: TimeInterval(t.createdAt)))
+            print("\(t.id)\t\(t.device)\t\(created)\t\(t.revoked ? "revoked" : "live")")
+          }
+        }
+      }
+    }
+
+    struct Revoke: ParsableCommand {
+      static let configuration = CommandConfiguration(
+        abstract: "Revoke tokens: one by id, all of a device, or all of the account.")
+      @Argument var account: String
+      @Option(help: "Token id (from 'server token list').") var id: String?
+      @Option(help: "Revoke every token of this device.") var device: String?
+      @Flag(help: "Revoke every token of the account.") var all = false
+      @OptionGroup var storage: StorageOptions
+
+      func validate() throws {
+        if [id != nil, device != nil, all].filter({ $0 }).count != 1 {
+          throw ValidationError("give exactly one of --id, --device, --all")
+        }
+      }
+
+      func run() throws {
+        try cli {
+          let (account, id, device) = (self.account, self.id, self.device)
+          let n = try storage.withBackend { backend -> Int in
+            if let id { return try await backend.metadata.revokeToken(account: account, id: id) ? 1 : 0 }
+            return try await backend.metadata.revokeTokens(account: account, device: device)
+          }
+          if n == 0 { throw UbiqError.notFound("no live token matched") }
+          print("revoked \(n) token\(n == 1 ? "" : "s") of \(account)")
+        }
+      }
+    }
+  }
+}

@@ -1,0 +1,179 @@
+import Foundation
+import Hummingbird
+import Logging
+import XCTest
+
+@testable import UbiqCloud
+@testable import UbiqCore
+@testable import UbiqHTTPClient
+@testable import UbiqServer
+
+/// HTTPCloud and HTTPKeyValue against the real router served in-process on a loopback port
+/// (embedded engine): every CloudService call, and the mapping of HTTP errors back to the
+/// typed errors the engine throws.
+final class HTTPCloudTests: XCTestCase {
+  let container = try! ContainerID("iCloud.com.example.http")
+  var dir: URL!
+
+  override func setUp() {
+    dir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("httpcloud-\(UUID().uuidString)")
+  }
+  override func tearDown() { try? FileManager.default.removeItem(at: dir) }
+
+  /// Runs the server for the duration of `body`, which gets its base URL and the backend.
+  func withServer(_ body: @escaping @Sendable (String, Backend) async throws -> Void) async throws {
+    var log = Logger(label: "test")
+    log.logLevel = .warning
+    let logger = log
+    try await Backend.with(.embedded(directory: dir), logger: logger) { backend in
+      let hub = ChangeHub(pollInterval: .milliseconds(100), logger: logger) { a, c in
+        try await backend.metadata.lastChange(account: a, container: c)
+      }
+      let router = UbiqServer.makeRouter(backend: backend, hub: hub, metrics: ServerMetrics(), limits: ServerLimits())
+      let (ports, portSink) = AsyncStream.makeStream(of: Int.self)
+      let app = Application(
+        router: router, configuration: .init(address: .hostname("127.0.0.1", port: 0)),
+        onServerRunning: { portSink.yield($0.localAddress?.port ?? 0) }, logger: logger)
+      try await withThrowingTaskGroup(of: Void.self) { group in
+        group.addTask { try await app.run() }
+        group.addTask { try await hub.run() }
+        var it = ports.makeAsyncIterator()
+        guard let port = await it.next() else { throw CloudError.unavailable("server did not start") }
+        do {
+          try await body("http://127.0.0.1:\(port)", backend)
+        } catch {
+          group.cancelAll()
+          throw error
+        }
+        group.cancelAll()
+      }
+    }
+  }
+
+  func file(_ id: String, _ data: Data) -> CloudItem {
+    CloudItem(
+      itemID: id, parentID: WellKnownItem.documents, name: "\(id).txt", kind: .file, mode: 0o644,
+      size: Int64(data.count), mtimeNs: 1, chunks: [ChunkRef(hash: Chunker.sha256Hex(data), length: Int64(data.count))],
+      deviceID: "test")
+  }
+
+  func testCloudServiceOverHTTP() async throws {
+    let c = container
+    let f = file
+    try await withServer { url, backend in
+      let (setupToken, _) = try await backend.createAccount("alice", quotaBytes: 1000, device: "setup")
+      // Login: a device token replaces the setup token.
+      let issued = try await AccountAPI(api: try APIClient(baseURL: url, token: setupToken)).registerDevice(
+        name: "laptop")
+      let api = try APIClient(baseURL: url, token: issued.token)
+      let info = try await AccountAPI(api: api).accountInfo()
+      XCTAssertEqual(info.account, "alice")
+      XCTAssertEqual(info.device, "laptop")
+      let cloud = HTTPCloud(api: api)
+      try await cloud.ensureContainer(c)
+      let data = Data("hello over http".utf8)
+      let h = Chunker.sha256Hex(data)
+      let missing = try await cloud.missingChunks([h])
+      XCTAssertEqual(missing, [h])
+      try await cloud.putChunk(hash: h, data: data)
+      let none = try await cloud.missingChunks([h])
+      XCTAssertEqual(none, [])
+      let part = try await cloud.getChunk(hash: h, range: 6..<10)
+      XCTAssertEqual(String(decoding: part, as: UTF8.self), "over")
+      do {
+        try await cloud.putChunk(hash: h, data: Data("tampered".utf8))
+        XCTFail("expected hash mismatch")
+      } catch CloudError.hashMismatch {}
+      let v1 = try await cloud.putItem(c, f("a", data), ifMatch: nil)
+      let v2 = try await cloud.putItem(c, f("a", data), ifMatch: v1.etag)
+      do {
+        _ = try await cloud.putItem(c, f("a", data), ifMatch: v1.etag)
+        XCTFail("expected conflict")
+      } catch CloudError.conflict(let current) {
+        XCTAssertEqual(current.etag, v2.etag)
+        XCTAssertEqual(current.chunks.first?.hash, h)
+      }
+      do {
+        _ = try await cloud.putItem(c, f("b", Data("never sent".utf8)), ifMatch: nil)
+        XCTFail("expected missing chunks")
+      } catch CloudError.missingChunks(let hashes) {
+        XCTAssertEqual(hashes, [Chunker.sha256Hex(Data("never sent".utf8))])
+      }
+      let unknown = try await cloud.item(c, itemID: "nope")
+      XCTAssertNil(unknown)
+      let got = try await cloud.item(c, itemID: "a")
+      XCTAssertEqual(got?.etag, v2.etag)
+      let feed = try await cloud.changes(c, since: 0, limit: 100)
+      XCTAssertEqual(feed.items.map(\.itemID), [WellKnownItem.root, WellKnownItem.documents, "a"])
+      // The push channel: a write wakes a waiting long-poll well under a second.
+      let waiter = Task { try await cloud.waitForChanges(c, since: feed.token, timeoutMs: 20_000) }
+      try await Task.sleep(for: .milliseconds(200))
+      let start = ContinuousClock.now
+      _ = try await cloud.deleteItem(c, itemID: "a", ifMatch: v2.etag, deviceID: "test")
+      let woke = try await waiter.value
+      XCTAssertTrue(woke)
+      XCTAssertLessThan(ContinuousClock.now - start, .milliseconds(700))
+      let idle = try await cloud.waitForChanges(c, since: feed.token + 1, timeoutMs: 100)
+      XCTAssertFalse(idle)
+      // Quota: 507 comes back as quotaExceeded with the account's usage.
+      let big = Data(repeating: 7, count: 2000)
+      do {
+        try await cloud.putChunk(hash: Chunker.sha256Hex(big), data: big)
+        XCTFail("expected quota error")
+      } catch CloudError.quotaExceeded(let usage) {
+        XCTAssertEqual(usage, Usage(usedBytes: Int64(data.count), quotaBytes: 1000))
+        XCTAssertEqual(CloudError.quotaExceeded(usage).errno, EDQUOT)
+      }
+      let usage = try await cloud.usage()
+      XCTAssertEqual(usage.usedBytes, Int64(data.count))
+      // Revoking the device token: the next call is unauthorized.
+      try await AccountAPI(api: api).revoke(tokenID: "current")
+      do {
+        _ = try await cloud.usage()
+        XCTFail("expected unauthorized")
+      } catch CloudError.unauthorized {}
+    }
+  }
+
+  func testKeyValueOverHTTP() async throws {
+    let c = container
+    try await withServer { url, backend in
+      let (token, _) = try await backend.createAccount("bob", quotaBytes: 0, device: "setup")
+      let api = try APIClient(baseURL: url, token: token)
+      try await HTTPCloud(api: api).ensureContainer(c)
+      let kv = HTTPKeyValue(api: api)
+      let w = try await kv.kvWrite(c, KVWrite(key: "a/b", value: .object(["n": .int(1)]), timestamp: 10, device: "d"))
+      XCTAssertTrue(w.applied)
+      let old = try await kv.kvWrite(c, KVWrite(key: "a/b", value: .bool(false), timestamp: 5, device: "d"))
+      XCTAssertFalse(old.applied)
+      XCTAssertEqual(old.entry.value, .object(["n": .int(1)]))
+      let snap = try await kv.kvEntries(c, since: 0)
+      XCTAssertEqual(snap.entries.map(\.key), ["a/b"])
+      let removed = try await kv.kvWrite(c, KVWrite(key: "a/b", value: nil, timestamp: 11, device: "d"))
+      XCTAssertTrue(removed.entry.deleted)
+      do {
+        _ = try await kv.kvWrite(
+          c, KVWrite(key: String(repeating: "k", count: 65), value: .null, timestamp: 1, device: "d"))
+        XCTFail("expected invalid key")
+      } catch KeyValueError.invalidKey {}
+      let big = JSONValue.string(String(repeating: "x", count: 700_000))
+      _ = try await kv.kvWrite(c, KVWrite(key: "big1", value: big, timestamp: 1, device: "d"))
+      do {
+        _ = try await kv.kvWrite(c, KVWrite(key: "big2", value: big, timestamp: 1, device: "d"))
+        XCTFail("expected quota violation")
+      } catch KeyValueError.quotaViolation {}
+    }
+  }
+
+  func testUnreachableServerFailsFastAsUnavailable() async throws {
+    // A port nobody listens on.
+    let cloud = HTTPCloud(api: try APIClient(baseURL: "http://127.0.0.1:9", token: "ubq_x"))
+    let start = ContinuousClock.now
+    do {
+      _ = try await cloud.usage()
+      XCTFail("expected unavailable")
+    } catch CloudError.unavailable {}
+    XCTAssertLessThan(ContinuousClock.now - start, .seconds(3))
+    XCTAssertThrowsError(try APIClient(baseURL: "ftp://x", token: "t"))
+  }
+}
