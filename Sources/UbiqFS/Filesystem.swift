@@ -439,6 +439,19 @@ public final class UbiqFilesystem: @unchecked Sendable {
       var stream: ContentStream?
       let fd = try coordinator.withInodeLock(inode) { () throws -> Int32 in
         let current = try requireRow(ino)
+        if writable && flags & O_TRUNC != 0 {
+          // Replaced whole: the old content is never needed (works offline, downloads nothing).
+          let fd = try cache.open(inode, create: true)
+          if ftruncate(fd, 0) != 0 { throw UbiqError.io("truncate: \(String(cString: strerror(errno)))") }
+          if current.size != 0 || current.content == .dataless {
+            coordinator.noteReplaced(inode)
+            handles.setPendingMtime(inode, nil)
+            try index.recordContentChange(inode, size: 0, mtimeNs: Clock.nowNs())
+            onQueued()
+          }
+          coordinator.noteWriterOpened(inode)
+          return fd
+        }
         if current.content == .dataless && !writable, let downloader {
           // Read-only: return now; each read waits only for its own range.
           stream = try downloader.stream(inode)
@@ -457,10 +470,6 @@ public final class UbiqFilesystem: @unchecked Sendable {
         fi.pointee.fh = h
         // Local writes go through the kernel's page cache, so cached pages stay valid.
         ubiq_fi_set_keep_cache(fi, 1)
-      }
-      if flags & O_TRUNC != 0 && writable && row.size != 0 {
-        // Without atomic_o_trunc the kernel truncates via setattr; this is only a safety net.
-        _ = ftruncate(fd, 0)
       }
       _ = fuse_reply_open(req, fi)
     } catch { reply(req, error: error) }

@@ -3,6 +3,7 @@ import Foundation
 import UbiqCloud
 import UbiqCore
 import UbiqHTTPClient
+import UbiqIndex
 
 /// `ubiqfs account login|logout|status`: sign this machine in to a `ubiqfs serve` account.
 struct AccountCommand: ParsableCommand {
@@ -55,7 +56,11 @@ struct AccountCommand: ParsableCommand {
 
   struct Logout: ParsableCommand {
     static let configuration = CommandConfiguration(
-      abstract: "Sign out: revoke this device's token on the server and forget it.")
+      abstract:
+        "Sign out: wait for uploads, unmount this account's containers, remove its local data, revoke the token.")
+    @Flag(help: "Do not wait for pending uploads: discard them with the local data.") var discard = false
+    @Option(help: "Seconds to wait for pending uploads before giving up (nothing is removed then).")
+    var timeout: Double = 120
     @OptionGroup var location: LocationOptions
 
     func run() throws {
@@ -65,7 +70,36 @@ struct AccountCommand: ParsableCommand {
           print("not signed in")
           return
         }
-        try AccountCommand.refuseWhileMounted(paths)
+        let mine = ContainerState.all(paths).filter { $0.account == config.account }
+        // 1. Uploads drain first (mounted containers upload on their own).
+        if !discard {
+          for s in mine where s.daemon == nil {
+            let pending = try s.openIndex().pendingCount(under: IndexStore.rootInode)
+            if pending > 0 {
+              throw UbiqError.busy(
+                "\(pending) uploads of \(s.container) are still pending and it is not mounted; "
+                  + "mount it so they upload, or sign out with --discard")
+            }
+          }
+          let deadline = Date().addingTimeInterval(timeout)
+          while true {
+            let pending = try mine.filter { $0.daemon != nil }.reduce(0) {
+              $0 + (try $1.openIndex().pendingCount(under: IndexStore.rootInode))
+            }
+            if pending == 0 { break }
+            if Date() > deadline {
+              throw UbiqError.busy(
+                "\(pending) uploads still pending after \(Int(timeout)) s (see 'ubiqfs status'); "
+                  + "nothing was removed; retry, or sign out with --discard")
+            }
+            usleep(100_000)
+          }
+        }
+        // 2. Unmount.
+        for s in mine {
+          if let d = s.daemon { try unmountAndWait(d.mountpoint, lazy: false, daemon: d) }
+        }
+        // 3. Revoke, forget, remove this account's local data.
         let api = try config.api
         do {
           try runBlocking { try await AccountAPI(api: api).revoke(tokenID: "current") }
@@ -73,7 +107,9 @@ struct AccountCommand: ParsableCommand {
           eprint("ubiqfs: warning: could not revoke the token on the server (\(error)); it stays valid there")
         }
         try AccountConfig.remove(paths)
-        print("signed out of \(config.account) at \(config.server)")
+        let accountDir = paths.stateRoot.appendingPathComponent("accounts").appendingPathComponent(config.account)
+        try? FileManager.default.removeItem(at: accountDir)
+        print("signed out of \(config.account) at \(config.server); local data removed")
       }
     }
   }
@@ -85,6 +121,9 @@ struct AccountCommand: ParsableCommand {
 
     struct Report: Codable {
       var signedIn: Bool
+      /// Opaque; changes whenever the account (or its server) changes
+      /// (NSFileManager.ubiquityIdentityToken).
+      var identityToken: String
       var server: String?
       var account: String
       var device: String?
@@ -98,15 +137,20 @@ struct AccountCommand: ParsableCommand {
       try cli {
         let paths = location.paths
         guard let config = try AccountConfig.load(paths) else {
-          let r = Report(signedIn: false, account: AccountName.local)
+          let r = Report(
+            signedIn: false, identityToken: identityToken("embedded:" + paths.cloudDir.path, AccountName.local),
+            account: AccountName.local)
           if json {
             try printJSON(r)
           } else {
             print("not signed in: mounts use the embedded cloud (\(paths.cloudDir.path))")
+            print("identity \(r.identityToken)")
           }
           return
         }
-        var r = Report(signedIn: true, server: config.server, account: config.account, device: config.device)
+        var r = Report(
+          signedIn: true, identityToken: identityToken(config.server, config.account), server: config.server,
+          account: config.account, device: config.device)
         let api = try config.api
         do {
           let info = try runBlocking { try await AccountAPI(api: api).accountInfo() }
@@ -122,6 +166,7 @@ struct AccountCommand: ParsableCommand {
           return
         }
         print("account \(config.account) at \(config.server) (device \(config.device))")
+        print("identity \(r.identityToken)")
         if r.reachable == true {
           let quota = r.quotaBytes! > 0 ? formatBytes(r.quotaBytes!) : "unlimited"
           print("used \(formatBytes(r.usedBytes!)) of \(quota)")
@@ -137,4 +182,10 @@ func printJSON<T: Encodable>(_ value: T) throws {
   let e = JSONEncoder()
   e.outputFormatting = [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
   print(String(decoding: try e.encode(value), as: UTF8.self))
+}
+
+/// An opaque token naming the signed-in identity: equal for the same account on the same cloud,
+/// different for any other.
+func identityToken(_ cloud: String, _ account: String) -> String {
+  String(Chunker.sha256Hex(Data("ubiqfs-identity\u{0}\(cloud)\u{0}\(account)".utf8)).prefix(32))
 }

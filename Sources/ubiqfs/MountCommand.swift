@@ -150,25 +150,7 @@ struct UnmountCommand: ParsableCommand {
       let mp = absolutePath(mountpoint)
       guard MountTable.isUbiqMount(mp) else { throw UbiqError.invalidArgument("\(mp) is not a ubiqfs mount") }
       let daemon = location.paths.allContainerDirs().compactMap(DaemonRecord.load).first { $0.mountpoint == mp }
-      let p = Process()
-      p.executableURL = URL(fileURLWithPath: "/bin/fusermount3")
-      p.arguments = ["-u"] + (lazy ? ["-z"] : []) + [mp]
-      let errPipe = Pipe()
-      p.standardError = errPipe
-      try p.run()
-      p.waitUntilExit()
-      if p.terminationStatus != 0 {
-        let msg = String(decoding: errPipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
-        if msg.contains("busy") {
-          throw UbiqError.busy("\(mp) is in use (open files or a shell inside it); close them or use --lazy")
-        }
-        throw UbiqError.io(msg.trimmingCharacters(in: .whitespacesAndNewlines))
-      }
-      // Wait for the daemon to finish (it stops its upload worker and closes the index).
-      if let d = daemon, !lazy {
-        let deadline = Date().addingTimeInterval(30)
-        while d.isAlive && Date() < deadline { usleep(20_000) }
-      }
+      try unmountAndWait(mp, lazy: lazy, daemon: daemon)
       print("unmounted \(mp)")
     }
   }
@@ -189,4 +171,26 @@ func parseSize(_ text: String) throws -> Int64 {
     throw UbiqError.invalidArgument("'\(text)' is not a size (e.g. 500M, 10G)")
   }
   return Int64(v * Double(mult))
+}
+
+/// Unmounts `mp` with fusermount3 and waits (up to 30 s) for its daemon to exit.
+func unmountAndWait(_ mp: String, lazy: Bool, daemon: DaemonRecord?) throws {
+  let p = Process()
+  p.executableURL = URL(fileURLWithPath: "/bin/fusermount3")
+  p.arguments = ["-u"] + (lazy ? ["-z"] : []) + [mp]
+  let errPipe = Pipe()
+  p.standardError = errPipe
+  try p.run()
+  p.waitUntilExit()
+  if p.terminationStatus != 0 {
+    let msg = String(decoding: errPipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+    if msg.contains("busy") {
+      throw UbiqError.busy("\(mp) is in use (open files or a shell inside it); close them or use --lazy")
+    }
+    throw UbiqError.io(msg.trimmingCharacters(in: .whitespacesAndNewlines))
+  }
+  if let d = daemon {
+    let deadline = Date().addingTimeInterval(30)
+    while d.isAlive && Date() < deadline { usleep(20_000) }
+  }
 }

@@ -38,7 +38,8 @@ struct VersionsCommand: ParsableCommand {
           mtime: time(row.mtimeNs), size: row.size)
       ]
       for v in row.conflictList {
-        entries.append(Entry(version: v.versionID, current: false, device: v.deviceID, mtime: time(v.mtimeNs), size: v.size))
+        entries.append(
+          Entry(version: v.versionID, current: false, device: v.deviceID, mtime: time(v.mtimeNs), size: v.size))
       }
       if json {
         let enc = JSONEncoder()

@@ -1,0 +1,147 @@
+"""Against a real server (UBIQFS_TEST_CLOUD=server|server-scale): the cloud going away and
+coming back (offline writes queue and drain, evicted reads fail fast, both devices' offline
+edits converge) and account identity (identity token, sign-out drains, unmounts and removes
+local data, another account never sees it)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+import pytest
+
+import conftest
+from conftest import CLOUD_MODE, Ubiq
+from helpers import sha256, sha256_file
+from test_conflicts import DELAY, pair, read, settle  # noqa: F401  (pair is a fixture)
+from test_devices_and_content import wait_for
+
+pytestmark = pytest.mark.skipif(
+    CLOUD_MODE == "embedded",
+    reason="needs a server that can be stopped and accounts to switch; runs with UBIQFS_TEST_CLOUD=server|server-scale",
+)
+
+
+def servers_of(u: Ubiq):
+    return conftest._cloud_account(u.cloud_key).servers
+
+
+class Offline:
+    """Stops every server process of a device's account; restarts them on exit."""
+
+    def __init__(self, u: Ubiq):
+        self.servers = servers_of(u)
+
+    def __enter__(self):
+        for s in self.servers:
+            s.stop()
+        return self
+
+    def __exit__(self, *exc):
+        for s in self.servers:
+            s.start()
+
+
+def test_offline_writes_queue_evicted_reads_fail_fast_then_drain(ubiq):
+    cached = ubiq.docs / "cached.txt"
+    cached.write_text("still here\n")
+    big = ubiq.docs / "big.bin"
+    data = os.urandom(2 * 1024 * 1024)
+    big.write_bytes(data)
+    ubiq.sync()
+    ubiq.run("evict", big)
+    with Offline(ubiq):
+        # The mount stays read-write; the change waits in the queue with a visible error.
+        (ubiq.docs / "offline.txt").write_text("written offline\n")
+        os.mkdir(ubiq.docs / "offline-dir")
+        assert cached.read_text() == "still here\n"
+        wait_for(lambda: ubiq.status()[0]["queue"]["failing"], timeout=20, what="upload error while offline")
+        err = ubiq.status()[0]["queue"]["failing"][0]["error"]
+        assert "unavailable" in err or "unreachable" in err, err
+        # An evicted file cannot be read: a clear errno after a bounded wait, no hang.
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as e:
+            read(big)
+        assert e.value.errno == errno.EHOSTUNREACH
+        assert time.monotonic() - t0 < 30
+        assert os.stat(big).st_size == len(data)  # metadata still local
+    ubiq.sync(timeout=60)
+    item = ubiq.cloud_item_for(ubiq.docs / "offline.txt")
+    assert item is not None and not item["deleted"]
+    assert ubiq.cloud_content(item["itemID"]) == b"written offline\n"
+    assert sha256_file(big) == sha256(data)
+
+
+def test_offline_edits_on_both_devices_converge(pair):
+    a, b = pair
+    (a.docs / "shared.txt").write_text("base\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "shared.txt").exists(), what="shared.txt on b")
+    with Offline(a), Offline(b):
+        (a.docs / "shared.txt").write_text("A offline\n")
+        (a.docs / "only-a.txt").write_text("a\n")
+        time.sleep(0.05)
+        (b.docs / "shared.txt").write_text("B offline, later\n")
+        (b.docs / "only-b.txt").write_text("b\n")
+        time.sleep(2)
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["only-a.txt", "only-b.txt", "shared.txt"],
+                 timeout=20, what=f"all files on {u.root.name}")
+        wait_for(lambda: read(u.docs / "shared.txt") == b"B offline, later\n", what=f"winner on {u.root.name}")
+        wait_for(lambda: Ubiq.xattr(u.docs / "shared.txt", "user.ubiq.conflicts") == "1", what="conflict kept")
+
+
+def account_status(u: Ubiq) -> dict:
+    return json.loads(u.run("account", "status", "--json").stdout)
+
+
+def test_identity_token_signout_and_account_isolation(ubiq):
+    import ubiqstack
+
+    first = account_status(ubiq)
+    assert first["signedIn"] and len(first["identityToken"]) == 32
+    (ubiq.docs / "private.txt").write_text("account one only\n")
+    # Signing out waits for the upload, unmounts, removes this account's local data.
+    ubiq.run("account", "logout", timeout=180)
+    assert str(ubiq.mnt) not in conftest.ubiq_mounts()
+    assert not (ubiq.state / "accounts" / first["account"]).exists()
+    item = ubiq.cloud_item("documents")
+    assert item is not None  # the cloud still has the account's data...
+    names = {i["name"] for i in ubiq.cloud_items(include_deleted=False)}
+    assert "private.txt" in names  # ...including the upload that finished before sign-out
+
+    acct = conftest._cloud_account(ubiq.cloud_key)
+    other = f"other{os.getpid()}{int(time.time())}"
+    token = ubiqstack.create_account(acct.storage, other)
+    ubiq.run("account", "login", "--server", acct.servers[0].url, "--token", token, "--device", "dev-other")
+    second = account_status(ubiq)
+    assert second["account"] == other and second["identityToken"] != first["identityToken"]
+    ubiq.run("mount", ubiq.container, ubiq.mnt, "--upload-delay-ms", "100")
+    try:
+        assert os.listdir(ubiq.docs) == []
+        assert ubiq.run("find", "private*", check=False).returncode != 0
+    finally:
+        ubiq.run("unmount", ubiq.mnt)
+    ubiq.run("account", "logout")
+    # Back to the first account: same identity as before, its data comes back from the cloud.
+    ubiq.account = acct.name
+    ubiq.mount()
+    assert account_status(ubiq)["identityToken"] == first["identityToken"]
+    wait_for(lambda: (ubiq.docs / "private.txt").exists(), what="first account's data")
+    assert read(ubiq.docs / "private.txt") == b"account one only\n"
+
+
+def test_signout_refuses_while_uploads_pending_unless_discard(ubiq):
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "600000")
+    (ubiq.docs / "unsent.txt").write_text("not uploaded yet\n")
+    cp = ubiq.run("account", "logout", "--timeout", "1", check=False)
+    assert cp.returncode != 0 and "pending" in cp.stderr and cp.stderr.startswith("ubiqfs:")
+    assert str(ubiq.mnt) in conftest.ubiq_mounts()  # nothing happened
+    assert read(ubiq.docs / "unsent.txt") == b"not uploaded yet\n"
+    ubiq.run("account", "logout", "--discard")
+    assert str(ubiq.mnt) not in conftest.ubiq_mounts()
+    assert not (ubiq.state / "accounts").exists() or not any((ubiq.state / "accounts").iterdir())
