@@ -2,6 +2,7 @@ import ArgumentParser
 import CFuse3
 import Foundation
 import UbiqCore
+import UbiqCloud
 import UbiqIndex
 
 #if canImport(Glibc)
@@ -15,6 +16,8 @@ struct VersionsCommand: ParsableCommand {
 
   @Argument(help: "A file inside a mount.") var path: String
   @Flag(help: "Machine-readable output.") var json = false
+  @Option(help: "Write that version's content to standard output (a version id, or 'current').")
+  var cat: String?
   @OptionGroup var location: LocationOptions
 
   struct Entry: Codable {
@@ -30,6 +33,18 @@ struct VersionsCommand: ParsableCommand {
       let (state, inode) = try ContainerState.locate(path, location.paths)
       guard let row = try state.openIndex().item(inode) else { throw UbiqError.notFound(path) }
       guard row.kind == .file else { throw UbiqError.invalidArgument("\(path) is not a file") }
+      if let cat {
+        let chunks: [ChunkRef]
+        if cat == "current" || cat == row.etag.map({ "v\($0)" }) {
+          chunks = row.chunkList
+        } else if let v = row.conflictList.first(where: { $0.versionID == cat }) {
+          chunks = v.chunks
+        } else {
+          throw UbiqError.notFound("no version \(cat) of \(path) (see 'ubiqfs versions')")
+        }
+        try writeVersion(chunks)
+        return
+      }
       let fmt = ISO8601DateFormatter()
       func time(_ ns: Int64) -> String { fmt.string(from: Date(timeIntervalSince1970: Double(ns) / 1e9)) }
       var entries = [
@@ -50,6 +65,18 @@ struct VersionsCommand: ParsableCommand {
       for e in entries {
         print("\(e.current ? "*" : " ") \(e.version)\t\(e.mtime)\t\(e.size) bytes\tdevice \(e.device)")
       }
+    }
+  }
+}
+
+extension VersionsCommand {
+  /// Streams a version's chunks from the cloud to standard output, verifying each hash.
+  func writeVersion(_ chunks: [ChunkRef]) throws {
+    let cloud = try CloudSession.open(location.paths).makeCloud()
+    for chunk in chunks {
+      let data = try runBlocking { try await cloud.getChunk(hash: chunk.hash, range: nil) }
+      guard Chunker.sha256Hex(data) == chunk.hash else { throw UbiqError.io("chunk \(chunk.hash) is corrupt") }
+      FileHandle.standardOutput.write(data)
     }
   }
 }

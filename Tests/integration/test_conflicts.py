@@ -66,6 +66,10 @@ def test_concurrent_edits_keep_a_conflict_version(pair):
         wait_for(lambda: Ubiq.xattr(u.docs / "plan.txt", "user.ubiq.conflicts") == "1", what="conflict count")
     vs = versions(a, a.docs / "plan.txt")
     assert [v["current"] for v in vs] == [True, False]
+    # Every version is readable.
+    assert a.run("versions", a.docs / "plan.txt", "--cat", vs[1]["version"]).stdout == "edit from A\n"
+    assert b.run("versions", b.docs / "plan.txt", "--cat", vs[1]["version"]).stdout == "edit from A\n"
+    assert a.run("versions", a.docs / "plan.txt", "--cat", "current").stdout == "edit from B (newer)\n"
     assert versions(b, b.docs / "plan.txt")[1]["version"] == vs[1]["version"]
     # Keep the losing version: it becomes current everywhere, the conflict is gone.
     a.run("resolve", a.docs / "plan.txt", "--keep", vs[1]["version"])
