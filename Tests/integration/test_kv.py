@@ -168,6 +168,12 @@ def own_server(dev):
     return next(s for s in acct.servers if s.url == url)
 
 
+def _bytes(dev, name, data: bytes):
+    p = dev.root / name
+    p.write_bytes(data)
+    return p
+
+
 def _write(dev, name, obj):
     p = dev.root / name
     p.write_text(json.dumps(obj))
@@ -205,8 +211,8 @@ def test_offline_write_over_the_server_limit_is_rejected(ubiq, peer):
         server.stop()
         try:
             # Each fits alone; together they exceed 1 MB. The peer's reaches the cloud first.
-            kv(ubiq, "set", "mine", '"' + "m" * 600_000 + '"')
-            kv(peer, "set", "theirs", '"' + "t" * 600_000 + '"')
+            kv(ubiq, "set", "mine", "--data", _bytes(ubiq, "mine.bin", b"m" * 450_000))  # 600 KB as base64
+            kv(peer, "set", "theirs", "--data", _bytes(peer, "theirs.bin", b"t" * 450_000))
         finally:
             server.start()
         line = read_line(w, timeout=60)
@@ -216,7 +222,7 @@ def test_offline_write_over_the_server_limit_is_rejected(ubiq, peer):
             w.kill()
             w.wait()
     assert get(ubiq, "mine") is None and get(peer, "mine") is None
-    assert len(get(ubiq, "theirs")) == 600_000
+    assert len(get(ubiq, "theirs")["$data"]) == 600_000
 
 
 @SERVER_ONLY
