@@ -108,7 +108,14 @@ public final class KVMirror: @unchecked Sendable {
   }
 
   /// The visible value of `key`.
-  public func get(_ key: String) throws -> JSONValue? { try all()[key] }
+  public func get(_ key: String) throws -> JSONValue? { try db.read { try Self.visible($0, key) } }
+
+  static func visible(_ db: Database, _ key: String) throws -> JSONValue? {
+    if let row = try Row.fetchOne(db, sql: "SELECT value FROM pending WHERE key = ?", arguments: [key]) {
+      return decode(row["value"])
+    }
+    return decode(try String.fetchOne(db, sql: "SELECT value FROM entries WHERE key = ?", arguments: [key]))
+  }
 
   /// Queues a local write (nil removes) stamped `timestamp` (ns since the epoch), after checking
   /// the limits against the visible store; a write over a limit throws and changes nothing.
@@ -170,11 +177,11 @@ public final class KVMirror: @unchecked Sendable {
   /// if it is still the one that was sent.
   public func acknowledge(_ key: String, sentTimestamp: Int64, entry: KVEntry) throws {
     try db.write { db in
-      let before = try Self.visible(db)[key]
+      let before = try Self.visible(db, key)
       try apply(db, entry)
       try db.execute(sql: "DELETE FROM pending WHERE key = ? AND timestamp = ?", arguments: [key, sentTimestamp])
       // A newer write from another device won: that is a server change for this device.
-      if try Self.visible(db)[key] != before { try record(db, .serverChange, keys: [key]) }
+      if try Self.visible(db, key) != before { try record(db, .serverChange, keys: [key]) }
     }
   }
 
