@@ -41,7 +41,10 @@ final class KVMirrorTests: XCTestCase {
     let m = try makeMirror()
     XCTAssertThrowsError(try m.write(String(repeating: "k", count: 65), .int(1), timestamp: 1))
     XCTAssertThrowsError(try m.write("big", .string(String(repeating: "x", count: 1024 * 1024)), timestamp: 1))
-    for i in 0..<1024 { try m.write("k\(i)", .int(Int64(i)), timestamp: 1) }
+    // All or nothing: a batch over the key limit queues nothing.
+    XCTAssertThrowsError(try m.write((0..<1025).map { ("k\($0)", JSONValue.int(Int64($0))) }, timestamp: 1))
+    XCTAssertTrue(try m.pending().isEmpty)
+    try m.write((0..<1024).map { ("k\($0)", JSONValue.int(Int64($0))) }, timestamp: 1)
     XCTAssertThrowsError(try m.write("one-more", .int(1), timestamp: 2)) { e in
       guard case KeyValueError.quotaViolation = e else { return XCTFail("\(e)") }
     }
