@@ -70,6 +70,10 @@ let package = Package(
         .product(name: "Logging", package: "swift-log"),
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
       ]),
+    // The key-value store's client: local mirror (kv.sqlite) and its sync (issue 7).
+    .target(
+      name: "UbiqKV",
+      dependencies: ["UbiqCore", "UbiqCloud", .product(name: "GRDB", package: "GRDB.swift")]),
     .target(
       name: "UbiqSync",
       dependencies: [
@@ -85,11 +89,12 @@ let package = Package(
       name: "ubiqfs",
       dependencies: [
         "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS",
-        "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer",
+        "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer", "UbiqKV",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),
     .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
+    .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
     .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
     .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
     .testTarget(

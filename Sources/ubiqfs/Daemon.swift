@@ -134,6 +134,9 @@ final class Daemon {
     budgetTimer.setEventHandler { fs.enforceCacheBudget() }
     budgetTimer.resume()
     defer { budgetTimer.cancel() }
+    // Key-value store (issue 7): keep the container's kv mirror synced while mounted.
+    let kvTimer = startKVSyncTimer(paths: paths, session: cloudSession, container: container)
+    defer { kvTimer?.cancel() }
     notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
     log.info("mounted \(container) at \(mountpoint) (device \(deviceID))")
 

@@ -12,6 +12,8 @@ struct Ubiqfs: ParsableCommand {
       ServeCommand.self, ServerCommand.self, AccountCommand.self,
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
       ContentCommand.self, VersionsCommand.self, ResolveCommand.self,
+      // Key-value store (issue 7).
+      KVCommand.self,
     ])
 }
 
