@@ -92,10 +92,14 @@ struct StatusCommand: ParsableCommand {
       }
       var reports: [Report] = []
       for s in states {
-        let summary = try s.openIndex().queueSummary()
+        let index = try s.openIndex()
+        let summary = try index.queueSummary()
         var uploading: [UploadProgress] = []
         if s.daemon != nil, let d = try? Data(contentsOf: s.dir.appendingPathComponent("progress.json")) {
-          uploading = (try? JSONDecoder().decode([UploadProgress].self, from: d)) ?? []
+          // progress.json trails by up to 250 ms: show only uploads that are still queued.
+          uploading = ((try? JSONDecoder().decode([UploadProgress].self, from: d)) ?? []).filter {
+            (try? index.queueEntry(forInode: $0.inode)) != nil
+          }
         }
         reports.append(
           Report(

@@ -1,8 +1,8 @@
 import ArgumentParser
 import CFuse3
 import Foundation
-import UbiqCore
 import UbiqCloud
+import UbiqCore
 import UbiqIndex
 
 #if canImport(Glibc)

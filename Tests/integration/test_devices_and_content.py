@@ -216,10 +216,11 @@ def test_cache_budget_evicts_lru_but_never_pinned_open_or_unuploaded(ubiq):
     for name, data in files.items():
         (ubiq.docs / name).write_bytes(data)
     (ubiq.docs / "local.nosync").write_bytes(os.urandom(mib))  # never uploaded: must stay
-    ubiq.sync()
+    # Pin one and hold one open before the uploads finish (only uploaded files are eligible).
     ubiq.run("pin", ubiq.docs / "b0.bin")
     held = open(ubiq.docs / "b1.bin", "rb")
     try:
+        ubiq.sync()
         wait_for(
             lambda: sum(os.stat(ubiq.docs / n).st_blocks == 0 for n in files) >= 3,
             timeout=15,
