@@ -29,10 +29,14 @@ def servers_of(u: Ubiq):
 
 
 class Offline:
-    """Stops every server process of a device's account; restarts them on exit."""
+    """Stops every server process of the devices' accounts (each once); restarts them on exit."""
 
-    def __init__(self, u: Ubiq):
-        self.servers = servers_of(u)
+    def __init__(self, *devices: Ubiq):
+        seen: dict[int, object] = {}
+        for u in devices:
+            for s in servers_of(u):
+                seen[id(s)] = s
+        self.servers = list(seen.values())
 
     def __enter__(self):
         for s in self.servers:
@@ -79,7 +83,7 @@ def test_offline_edits_on_both_devices_converge(pair):
     (a.docs / "shared.txt").write_text("base\n")
     settle(a, b)
     wait_for(lambda: (b.docs / "shared.txt").exists(), what="shared.txt on b")
-    with Offline(a), Offline(b):
+    with Offline(a, b):
         (a.docs / "shared.txt").write_text("A offline\n")
         (a.docs / "only-a.txt").write_text("a\n")
         time.sleep(0.05)

@@ -306,6 +306,8 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "ServerProcess":
+        if self.proc is not None and self.proc.poll() is None:
+            return self  # already running: never orphan a running process by starting another
         env = dict(os.environ)
         env.update(self.storage.env())
         args = [
