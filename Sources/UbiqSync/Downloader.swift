@@ -277,6 +277,8 @@ public final class ChangePuller: @unchecked Sendable {
   let log: Logger
   /// Called with what changed, to drop cache files and invalidate kernel caches.
   public var onApplied: ([RemoteApplyResult]) -> Void = { _ in }
+  /// Called when a pull succeeds after failures (the cloud came back).
+  public var onRecovered: () -> Void = {}
   private var task: Task<Void, Never>?
   private let lock = NSLock()
   private var stopped = false
@@ -349,14 +351,22 @@ public final class ChangePuller: @unchecked Sendable {
   /// change; `retryNs` is the pause after a failure (cloud unreachable).
   public func start(retryNs: UInt64) {
     task = Task.detached { [self] in
+      var failing = false
       while !lock.withLock({ stopped }) {
         do {
           try await pullOnce()
+          if failing {
+            // The cloud is back: queued work should not sit out its backoff.
+            failing = false
+            log.info("cloud reachable again")
+            onRecovered()
+          }
           _ = try await cloud.waitForChanges(container, since: try index.changeToken(), timeoutMs: 25_000)
         } catch is CancellationError {
           return
         } catch {
           if Task.isCancelled { return }
+          failing = true
           log.warning("pull failed: \(error)")
           try? await Task.sleep(nanoseconds: retryNs)
         }

@@ -88,6 +88,10 @@ final class Daemon {
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
     puller.onApplied = { fs.remoteChangesApplied($0) }
+    puller.onRecovered = {
+      try? index.retryAllNow()
+      worker.kick()
+    }
     let session = FuseSession(filesystem: fs, mountpoint: mountpoint)
     try session.mount(fsname: "ubiqfs:\(container.rawValue)")
     worker.start()

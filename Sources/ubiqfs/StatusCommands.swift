@@ -160,6 +160,7 @@ struct SyncCommand: ParsableCommand {
       guard wait else { return }
       let deadline = timeout.map { Date().addingTimeInterval($0) }
       var reported = Set<String>()
+      var rounds = 0
       while true {
         var pending = 0
         for (s, inode) in targets {
@@ -171,6 +172,11 @@ struct SyncCommand: ParsableCommand {
           }
         }
         if pending == 0 { return }
+        rounds += 1
+        if rounds % 100 == 0 {
+          // While the user waits, entries in backoff are retried every 5 s.
+          for (s, _) in targets { try? s.openIndex(readOnly: false).retryAllNow() }
+        }
         if let deadline, Date() > deadline {
           throw UbiqError.busy("timed out with \(pending) uploads pending (see 'ubiqfs status')")
         }
