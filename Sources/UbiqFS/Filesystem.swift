@@ -54,6 +54,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
   public var uploadPercent: (Int64) -> Int? = { _ in nil }
   /// Computes the virtual `user.ubiq.*` attributes.
   lazy var xattrSurface = XattrSurface(fs: self)
+  let xattrSnapshots = XattrSnapshots()
 
   public init(
     index: IndexStore, cache: ContentCache, coordinator: WriteCoordinator, container: ContainerID,

@@ -70,14 +70,20 @@ struct XattrSurface {
     } else {
       throw UbiqError.noData(name)
     }
+    try reply(req, ino, name, value, size)
+  }
+
+  /// Answers a size query (and remembers the value) or sends the value; see `XattrSnapshots`.
+  private func reply(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ key: String, _ value: Data, _ size: Int) throws {
     if size == 0 {
+      fs.xattrSnapshots.remember(UInt64(ino), key, value)
       _ = fuse_reply_xattr(req, value.count)
-    } else if size < value.count {
-      throw UbiqError.range(name)
-    } else {
-      value.withUnsafeBytes { raw in
+    } else if let fitting = fs.xattrSnapshots.fitting(UInt64(ino), key, current: value, size: size) {
+      fitting.withUnsafeBytes { raw in
         _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
       }
+    } else {
+      throw UbiqError.range(key)
     }
   }
 
@@ -93,15 +99,8 @@ struct XattrSurface {
       blob.append(contentsOf: Array(n.utf8))
       blob.append(0)
     }
-    if size == 0 {
-      _ = fuse_reply_xattr(req, blob.count)
-    } else if size < blob.count {
-      throw UbiqError.range("xattr list")
-    } else {
-      blob.withUnsafeBytes { raw in
-        _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
-      }
-    }
+    // "\0" cannot occur in an attribute name, so it keys the list's snapshot.
+    try reply(req, ino, "\0list", blob, size)
   }
 
   func set(_ ino: fuse_ino_t, _ name: String, _ value: Data, _ flags: Int32) throws {

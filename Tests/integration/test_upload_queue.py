@@ -122,3 +122,52 @@ def test_crash_kill_loop_loses_no_closed_write(ubiq):
         path = ubiq.docs / name
         assert sha256(ubiq.cloud_content(ubiq.item_id(path))) == sha256(data), name
     assert ubiq.status()[0]["queue"]["pendingItems"] == 0
+
+
+def _libc():
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)
+
+
+def _getxattr(path, name: str, size: int) -> tuple[int, bytes | None]:
+    """Calls getxattr(2) directly: size 0 asks for the length. Returns (length, bytes or None)."""
+    ctypes, libc = _libc()
+    buf = ctypes.create_string_buffer(size) if size else None
+    n = libc.getxattr(os.fsencode(str(path)), name.encode(), buf, ctypes.c_size_t(size))
+    if n < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return n, (buf.raw[:n] if buf is not None else None)
+
+
+def _listxattr(path, size: int) -> tuple[int, bytes | None]:
+    """Calls listxattr(2) directly, like _getxattr."""
+    ctypes, libc = _libc()
+    buf = ctypes.create_string_buffer(size) if size else None
+    n = libc.listxattr(os.fsencode(str(path)), buf, ctypes.c_size_t(size))
+    if n < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(path))
+    return n, (buf.raw[:n] if buf is not None else None)
+
+
+def test_status_xattr_that_grows_between_size_query_and_read_is_no_erange(ubiq):
+    """rsync -X and getfattr ask for an attribute's size, then read it with a buffer of that size.
+    A status value may grow in between (percent_uploaded 0 -> 100 when the upload lands; etag
+    appears in the list); the read returns the value the size was given for, never ERANGE."""
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "1500")
+    f = ubiq.docs / "racing.txt"
+    f.write_text("hello\n")
+    size, _ = _getxattr(f, "user.ubiq.percent_uploaded", 0)
+    names_size, _ = _listxattr(f, 0)
+    assert size == 1  # "0": not uploaded yet
+    ubiq.sync(f)
+    assert _getxattr(f, "user.ubiq.percent_uploaded", size) == (1, b"0")
+    n, names = _listxattr(f, names_size)
+    assert n == names_size and b"user.ubiq.etag" not in names
+    # A fresh query sees the new values.
+    assert _getxattr(f, "user.ubiq.percent_uploaded", 0)[0] == 3
+    assert Ubiq.xattr(f, "user.ubiq.percent_uploaded") == "100"
+    assert "user.ubiq.etag" in os.listxattr(f)
