@@ -616,6 +616,9 @@ extension UbiqFilesystem {
     for r in results {
       guard let inode = r.inode else { continue }
       switch r.outcome {
+      case .unchanged, .deferred, .locallyModified:
+        // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
+        continue
       case .deleted:
         if handles.liveState(inode) == nil {
           cache.remove(inode)

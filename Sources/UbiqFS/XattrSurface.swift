@@ -54,9 +54,10 @@ struct XattrSurface {
   }
 
   func get(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: String, _ size: Int) throws {
-    // security.*, system.*, trusted.* are never stored; answer without touching the index
-    // (the kernel asks for security.capability before writes, ls for ACLs and labels).
-    guard name.hasPrefix("user.") else { throw UbiqError.noData(name) }
+    // security.*, system.*, trusted.* are not supported (no SELinux labels, no POSIX ACLs):
+    // answer without touching the index. EOPNOTSUPP rather than ENODATA lets `ls -l` remember
+    // that for the whole device and stop asking for every file (two round trips per entry).
+    guard name.hasPrefix("user.") else { throw UbiqError.notSupported("\(name): only user.* attributes exist here") }
     let row = try fs.requireRow(ino)
     let value: Data
     if name.hasPrefix(Self.prefix) {

@@ -21,17 +21,19 @@ extension IndexStore {
 
   /// When the next queue entry becomes due (nil: queue empty).
   public func nextDueNs() throws -> Int64? {
-    try pool.read { db in try Int64.fetchOne(db, sql: "SELECT min(nextAttemptNs) FROM uploadQueue") }
+    try pool.read { db in try Int64.fetchOne(db.cached("SELECT min(nextAttemptNs) FROM uploadQueue")) }
   }
 
   public func uploadSnapshot(_ inode: Int64) throws -> UploadSnapshot? {
     try pool.read { db in
-      guard let row = try ItemRow.fetchOne(db, key: inode) else { return nil }
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
+        return nil
+      }
       let parentID = try row.parent.flatMap {
-        try String.fetchOne(db, sql: "SELECT itemID FROM items WHERE id = ?", arguments: [$0])
+        try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [$0])
       }
       var x: [String: Data] = [:]
-      for r in try Row.fetchAll(db, sql: "SELECT name, value FROM xattrs WHERE item = ?", arguments: [inode]) {
+      for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
         x[r["name"]] = r["value"]
       }
       return UploadSnapshot(row: row, parentItemID: parentID, xattrs: x)
@@ -44,10 +46,12 @@ extension IndexStore {
   public func markUploaded(seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem) throws {
     let manifest = String(data: try JSONEncoder().encode(result.chunks), encoding: .utf8)
     try pool.write { db in
-      guard let row = try ItemRow.fetchOne(db, key: inode), row.itemID == itemID else {
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.itemID == itemID
+      else {
         // Deleted (or re-identified) while uploading: the version just created must go too.
         try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
-        try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq])
+        try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
         return
       }
       try db.execute(
@@ -57,7 +61,7 @@ extension IndexStore {
           revision, inode,
         ])
       if row.revision == revision {
-        try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq])
+        try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       } else {
         try db.execute(
           sql: "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL WHERE seq = ?",
@@ -67,14 +71,15 @@ extension IndexStore {
   }
 
   public func markDone(seq: Int64) throws {
-    try pool.write { db in try db.execute(sql: "DELETE FROM uploadQueue WHERE seq = ?", arguments: [seq]) }
+    try pool.write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
   }
 
   /// Records a failed attempt; the entry is retried with exponential backoff (1 s doubling to
   /// at most `maxBackoffNs`) and is never dropped.
   public func markFailed(seq: Int64, error: String, errno: Int32, maxBackoffNs: Int64 = 60_000_000_000) throws {
     try pool.write { db in
-      let attempts = try Int.fetchOne(db, sql: "SELECT attempts FROM uploadQueue WHERE seq = ?", arguments: [seq]) ?? 0
+      let attempts =
+        try Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE seq = ?"), arguments: [seq]) ?? 0
       let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(attempts, 20)))
       try db.execute(
         sql: """
@@ -103,8 +108,8 @@ extension IndexStore {
 
   public func queueSummary() throws -> QueueSummary {
     try pool.read { db in
-      let items = try Int.fetchOne(db, sql: "SELECT count(*) FROM uploadQueue WHERE item IS NOT NULL") ?? 0
-      let deletes = try Int.fetchOne(db, sql: "SELECT count(*) FROM uploadQueue WHERE deleteItemID IS NOT NULL") ?? 0
+      let items = try Int.fetchOne(db.cached("SELECT count(*) FROM uploadQueue WHERE item IS NOT NULL")) ?? 0
+      let deletes = try Int.fetchOne(db.cached("SELECT count(*) FROM uploadQueue WHERE deleteItemID IS NOT NULL")) ?? 0
       let bytes =
         try Int64.fetchOne(
           db, sql: "SELECT COALESCE(sum(i.size), 0) FROM uploadQueue q JOIN items i ON i.id = q.item WHERE i.kind = 1")
@@ -125,8 +130,8 @@ extension IndexStore {
 
   /// The queue entry of an item, if it has one.
   public func queueEntry(forInode inode: Int64) throws -> QueueEntry? {
-    try pool.read { db in
-      try QueueEntry.fetchOne(db, sql: "SELECT * FROM uploadQueue WHERE item = ?", arguments: [inode])
+    try readOne { db in
+      try QueueEntry.fetchOne(db.cached("SELECT * FROM uploadQueue WHERE item = ?"), arguments: [inode])
     }
   }
 

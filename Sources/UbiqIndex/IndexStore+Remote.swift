@@ -37,19 +37,20 @@ extension IndexStore {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
       // Deleted here, delete not yet done in the cloud: do not bring it back.
-      if try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE deleteItemID = ?", arguments: [r.itemID]) == true {
+      if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true
+      {
         return RemoteApplyResult(outcome: .locallyModified)
       }
-      let local = try ItemRow.filter(Column("itemID") == r.itemID).fetchOne(db)
+      let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
       if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
       if let local,
-        try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [local.id!]) == true
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
       {
         return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
       }
       if r.deleted {
         guard let local else { return RemoteApplyResult(outcome: .unchanged) }
-        if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [local.id!])! > 0 {
+        if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [local.id!])! > 0 {
           // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
           try db.execute(
             sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
@@ -57,7 +58,7 @@ extension IndexStore {
           try self.enqueue(db, local.id!)
           return RemoteApplyResult(outcome: .unchanged, inode: local.id)
         }
-        try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [local.id!])
+        try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [local.id!])
         return RemoteApplyResult(
           outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
       }
@@ -72,14 +73,14 @@ extension IndexStore {
     _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil
   ) throws -> RemoteApplyResult {
     guard let parentItemID = r.parentID,
-      let parent = try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE itemID = ?", arguments: [parentItemID])
+      let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentItemID])
     else { return RemoteApplyResult(outcome: .deferred) }
     var stale: [(Int64, String)] = []
     // Two items want one name: the one that reached the cloud later (or not yet) yields and
     // becomes "name 2.ext". Every device applies the same rule, so all converge.
     var name = r.name
     if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
-      let other = try ItemRow.fetchOne(db, key: otherID)
+      let other = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [otherID])
     {
       let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
       if otherSeq > r.changeSeq {
@@ -145,7 +146,9 @@ extension IndexStore {
   /// (the row keeps its revision, so a newer local change still uploads).
   public func adoptMerged(_ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef]) throws -> RemoteApplyResult {
     try pool.write { db in
-      guard let row = try ItemRow.fetchOne(db, key: inode), row.itemID == merged.itemID else {
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.itemID == merged.itemID
+      else {
         return RemoteApplyResult(outcome: .unchanged)
       }
       return try self.applyRecord(db, merged, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
@@ -153,9 +156,9 @@ extension IndexStore {
   }
 
   static func replaceXattrs(_ db: Database, _ inode: Int64, _ x: [String: Data]) throws {
-    try db.execute(sql: "DELETE FROM xattrs WHERE item = ?", arguments: [inode])
+    try db.cached("DELETE FROM xattrs WHERE item = ?").execute(arguments: [inode])
     for (k, v) in x {
-      try db.execute(sql: "INSERT INTO xattrs(item, name, value) VALUES (?, ?, ?)", arguments: [inode, k, v])
+      try db.cached("INSERT INTO xattrs(item, name, value) VALUES (?, ?, ?)").execute(arguments: [inode, k, v])
     }
   }
 
@@ -173,9 +176,10 @@ extension IndexStore {
   /// synced revision) and not pinned. Returns false if it must stay.
   public func markEvicted(_ inode: Int64) throws -> Bool {
     try pool.write { db in
-      guard let row = try ItemRow.fetchOne(db, key: inode), row.kind == .file, row.etag != nil, !row.pinned,
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.kind == .file, row.etag != nil, !row.pinned,
         row.revision == row.syncedRevision,
-        try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [inode]) != true
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true
       else { return false }
       if row.size == 0 { return true }
       try db.execute(
@@ -189,7 +193,7 @@ extension IndexStore {
   /// Bytes of file content currently held in the cache (by the index's account).
   public func cachedBytes() throws -> Int64 {
     try pool.read { db in
-      try Int64.fetchOne(db, sql: "SELECT COALESCE(sum(size), 0) FROM items WHERE kind = 1 AND content = 1") ?? 0
+      try Int64.fetchOne(db.cached("SELECT COALESCE(sum(size), 0) FROM items WHERE kind = 1 AND content = 1")) ?? 0
     }
   }
 
@@ -211,7 +215,7 @@ extension IndexStore {
     guard !uses.isEmpty else { return }
     try pool.write { db in
       for (inode, ns) in uses {
-        try db.execute(sql: "UPDATE items SET lastUsedNs = ? WHERE id = ?", arguments: [ns, inode])
+        try db.cached("UPDATE items SET lastUsedNs = ? WHERE id = ?").execute(arguments: [ns, inode])
       }
     }
   }
@@ -223,7 +227,9 @@ extension IndexStore {
   /// Returns true if the content changed (the cache file must go).
   public func resolveConflicts(_ inode: Int64, keep versionID: String?) throws -> Bool {
     try pool.write { db in
-      guard var row = try ItemRow.fetchOne(db, key: inode) else { throw UbiqError.notFound("inode \(inode)") }
+      guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
+        throw UbiqError.notFound("inode \(inode)")
+      }
       let versions = row.conflictList
       if versions.isEmpty && versionID == nil { return false }
       var contentChanged = false
@@ -231,7 +237,7 @@ extension IndexStore {
         guard let v = versions.first(where: { $0.versionID == versionID }) else {
           throw UbiqError.notFound("no conflict version \(versionID) (see ubiqfs versions)")
         }
-        if try Bool.fetchOne(db, sql: "SELECT 1 FROM uploadQueue WHERE item = ?", arguments: [inode]) == true,
+        if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) == true,
           row.content == .cached
         {
           throw UbiqError.busy("local changes are still uploading; try again when uploaded")

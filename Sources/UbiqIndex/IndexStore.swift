@@ -17,7 +17,7 @@ public final class IndexStore: @unchecked Sendable {
     config.busyMode = .timeout(10)
     config.readonly = readOnly
     config.prepareDatabase { db in
-      if !readOnly { try db.execute(sql: "PRAGMA synchronous = NORMAL") }
+      if !readOnly { try db.cached("PRAGMA synchronous = NORMAL").execute() }
     }
     if readOnly {
       pool = try DatabaseQueue(path: path, configuration: config)
@@ -63,12 +63,12 @@ public final class IndexStore: @unchecked Sendable {
   // MARK: - facts
 
   public func meta(_ key: String) throws -> String? {
-    try pool.read { db in try String.fetchOne(db, sql: "SELECT value FROM meta WHERE key = ?", arguments: [key]) }
+    try pool.read { db in try String.fetchOne(db.cached("SELECT value FROM meta WHERE key = ?"), arguments: [key]) }
   }
 
   public func setMeta(_ key: String, _ value: String) throws {
     try pool.write { db in
-      try db.execute(sql: "INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", arguments: [key, value])
+      try db.cached("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)").execute(arguments: [key, value])
     }
   }
 
@@ -83,7 +83,9 @@ public final class IndexStore: @unchecked Sendable {
   /// Creates the root (inode 1) and `Documents/` on a fresh index.
   public func bootstrap(uid: UInt32, gid: UInt32) throws {
     try pool.write { db in
-      if try ItemRow.fetchOne(db, key: Self.rootInode) != nil { return }
+      if try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [Self.rootInode]) != nil {
+        return
+      }
       let now = Clock.nowNs()
       var root = ItemRow(
         id: Self.rootInode, itemID: WellKnownItem.root, parent: nil, name: "", kind: .directory, mode: 0o755,
@@ -99,22 +101,24 @@ public final class IndexStore: @unchecked Sendable {
   // MARK: - reads
 
   public func item(_ inode: Int64) throws -> ItemRow? {
-    try pool.read { db in try ItemRow.fetchOne(db, key: inode) }
+    try readOne { db in try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) }
   }
 
   public func item(itemID: String) throws -> ItemRow? {
-    try pool.read { db in try ItemRow.filter(Column("itemID") == itemID).fetchOne(db) }
+    try readOne { db in
+      try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [itemID])
+    }
   }
 
   public func child(of parent: Int64, named name: String) throws -> ItemRow? {
-    try pool.read { db in
-      try ItemRow.fetchOne(db, sql: "SELECT * FROM items WHERE parent = ? AND name = ?", arguments: [parent, name])
+    try readOne { db in
+      try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name])
     }
   }
 
   /// Children with inode greater than `after`, in inode order (a stable readdir cursor).
   public func children(of parent: Int64, after: Int64, limit: Int) throws -> [ItemRow] {
-    try pool.read { db in
+    try readOne { db in
       try ItemRow.fetchAll(
         db, sql: "SELECT * FROM items WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
         arguments: [parent, after, limit])
@@ -122,8 +126,8 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func childCount(of parent: Int64) throws -> Int {
-    try pool.read { db in
-      try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [parent]) ?? 0
+    try readOne { db in
+      try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [parent]) ?? 0
     }
   }
 
@@ -136,7 +140,7 @@ public final class IndexStore: @unchecked Sendable {
     var parts: [String] = []
     var cur: Int64? = inode
     while let c = cur, c != rootInode {
-      guard let row = try Row.fetchOne(db, sql: "SELECT parent, name FROM items WHERE id = ?", arguments: [c])
+      guard let row = try Row.fetchOne(db.cached("SELECT parent, name FROM items WHERE id = ?"), arguments: [c])
       else { return nil }
       parts.append(row["name"])
       cur = row["parent"]
@@ -151,7 +155,8 @@ public final class IndexStore: @unchecked Sendable {
     var cur: Int64? = inode
     var depth = 0
     while let c = cur, c != rootInode, depth < 4096 {
-      guard let row = try Row.fetchOne(db, sql: "SELECT parent, name, excluded FROM items WHERE id = ?", arguments: [c])
+      guard
+        let row = try Row.fetchOne(db.cached("SELECT parent, name, excluded FROM items WHERE id = ?"), arguments: [c])
       else { return false }
       if ItemName.isNoSync(row["name"]) || (row["excluded"] as Bool) { return true }
       cur = row["parent"]
@@ -170,7 +175,7 @@ public final class IndexStore: @unchecked Sendable {
       var cur: Int64? = inode
       while let c = cur {
         if c == ancestor { return true }
-        cur = try Int64.fetchOne(db, sql: "SELECT parent FROM items WHERE id = ?", arguments: [c])
+        cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
       }
       return false
     }
@@ -185,7 +190,9 @@ public final class IndexStore: @unchecked Sendable {
   ) throws -> ItemRow {
     try ItemName.validate(name)
     return try pool.write { db in
-      guard let p = try ItemRow.fetchOne(db, key: parent) else { throw UbiqError.notFound("parent \(parent)") }
+      guard let p = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [parent]) else {
+        throw UbiqError.notFound("parent \(parent)")
+      }
       guard p.isDirectory else { throw UbiqError.notDirectory(p.name) }
       if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
       let now = Clock.nowNs()
@@ -201,22 +208,24 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   static func childID(_ db: Database, _ parent: Int64, _ name: String) throws -> Int64? {
-    try Int64.fetchOne(db, sql: "SELECT id FROM items WHERE parent = ? AND name = ?", arguments: [parent, name])
+    try Int64.fetchOne(db.cached("SELECT id FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name])
   }
 
   static func touchDirectory(_ db: Database, _ inode: Int64, _ now: Int64) throws {
-    try db.execute(sql: "UPDATE items SET mtimeNs = ?, ctimeNs = ? WHERE id = ?", arguments: [now, now, inode])
+    try db.cached("UPDATE items SET mtimeNs = ?, ctimeNs = ? WHERE id = ?").execute(arguments: [now, now, inode])
   }
 
   /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
   public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
     try pool.write { db in
-      guard let id = try Self.childID(db, parent, name), let row = try ItemRow.fetchOne(db, key: id) else {
+      guard let id = try Self.childID(db, parent, name),
+        let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id])
+      else {
         throw UbiqError.notFound(name)
       }
       if directory {
         guard row.isDirectory else { throw UbiqError.notDirectory(name) }
-        if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [id])! > 0 {
+        if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [id])! > 0 {
           throw UbiqError.notEmpty(name)
         }
         if row.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be removed") }
@@ -233,7 +242,7 @@ public final class IndexStore: @unchecked Sendable {
   /// etag yet: its first upload may be in flight, and until the delete is done the pending entry
   /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
-    try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [row.id!])
+    try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
       try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
     }
@@ -243,31 +252,33 @@ public final class IndexStore: @unchecked Sendable {
   /// completes later fills it in (`markUploaded`); still nil when processed means nothing to do.
   func enqueueDelete(_ db: Database, itemID: String, etag: String?) throws {
     let now = Clock.nowNs()
-    try db.execute(
-      sql: """
-        INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?, ?)
-        ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag)
-        """, arguments: [itemID, etag, now, now + uploadDelayNs])
+    try db.cached(
+      """
+      INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?, ?)
+      ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag)
+      """
+    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs])
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only.
   func enqueue(_ db: Database, _ inode: Int64) throws {
     if try Self.isLocalOnly(db, inode) { return }
     let now = Clock.nowNs()
-    try db.execute(
-      sql: """
-        INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
-        ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs
-        """, arguments: [inode, now, now + uploadDelayNs])
+    try db.cached(
+      """
+      INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
+      ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs
+      """
+    ).execute(arguments: [inode, now, now + uploadDelayNs])
   }
 
   /// Queues every item of a subtree (used when an item stops being local-only).
   func enqueueSubtree(_ db: Database, _ inode: Int64) throws {
     var stack = [inode]
     while let cur = stack.popLast() {
-      try db.execute(sql: "UPDATE items SET revision = revision + 1 WHERE id = ?", arguments: [cur])
+      try db.cached("UPDATE items SET revision = revision + 1 WHERE id = ?").execute(arguments: [cur])
       try enqueue(db, cur)
-      stack += try Int64.fetchAll(db, sql: "SELECT id FROM items WHERE parent = ?", arguments: [cur])
+      stack += try Int64.fetchAll(db.cached("SELECT id FROM items WHERE parent = ?"), arguments: [cur])
     }
   }
 
@@ -275,14 +286,14 @@ public final class IndexStore: @unchecked Sendable {
   func detachSubtree(_ db: Database, _ inode: Int64) throws {
     var stack = [inode]
     while let cur = stack.popLast() {
-      if let row = try ItemRow.fetchOne(db, key: cur) {
+      if let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [cur]) {
         try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
         try db.execute(
           sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?",
           arguments: [UUID().uuidString.lowercased(), cur])
-        try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [cur])
+        try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [cur])
       }
-      stack += try Int64.fetchAll(db, sql: "SELECT id FROM items WHERE parent = ?", arguments: [cur])
+      stack += try Int64.fetchAll(db.cached("SELECT id FROM items WHERE parent = ?"), arguments: [cur])
     }
   }
 
@@ -301,10 +312,14 @@ public final class IndexStore: @unchecked Sendable {
   ) throws -> RenameResult {
     try ItemName.validate(newName)
     return try pool.write { db in
-      guard let srcID = try Self.childID(db, parent, name), var src = try ItemRow.fetchOne(db, key: srcID) else {
+      guard let srcID = try Self.childID(db, parent, name),
+        var src = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])
+      else {
         throw UbiqError.notFound(name)
       }
-      guard let np = try ItemRow.fetchOne(db, key: newParent) else { throw UbiqError.notFound("target directory") }
+      guard let np = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [newParent]) else {
+        throw UbiqError.notFound("target directory")
+      }
       guard np.isDirectory else { throw UbiqError.notDirectory(np.name) }
       if src.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
       // Moving a directory below itself.
@@ -312,7 +327,7 @@ public final class IndexStore: @unchecked Sendable {
         var cur: Int64? = newParent
         while let c = cur {
           if c == srcID { throw UbiqError.invalidArgument("cannot move a directory into itself") }
-          cur = try Int64.fetchOne(db, sql: "SELECT parent FROM items WHERE id = ?", arguments: [c])
+          cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
         }
       }
       let now = Clock.nowNs()
@@ -320,7 +335,7 @@ public final class IndexStore: @unchecked Sendable {
       let dstID = try Self.childID(db, newParent, newName)
       var replaced: ItemRow? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
-      if let dstID, var dst = try ItemRow.fetchOne(db, key: dstID) {
+      if let dstID, var dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
         switch mode {
         case .noReplace:
           throw UbiqError.exists(newName)
@@ -338,23 +353,25 @@ public final class IndexStore: @unchecked Sendable {
           try Self.touchDirectory(db, newParent, now)
           try self.enqueue(db, srcID)
           try self.enqueue(db, dstID)
-          dst = try ItemRow.fetchOne(db, key: dstID)!
-          return RenameResult(moved: try ItemRow.fetchOne(db, key: srcID)!, replaced: nil)
+          dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID])!
+          return RenameResult(
+            moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
+            replaced: nil)
         case .replace:
           if dst.isDirectory && !src.isDirectory { throw UbiqError.isDirectory(newName) }
           if !dst.isDirectory && src.isDirectory { throw UbiqError.notDirectory(newName) }
           if dst.isDirectory {
-            if try Int.fetchOne(db, sql: "SELECT count(*) FROM items WHERE parent = ?", arguments: [dstID])! > 0 {
+            if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [dstID])! > 0 {
               throw UbiqError.notEmpty(newName)
             }
             if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
           }
-          try db.execute(sql: "DELETE FROM items WHERE id = ?", arguments: [dstID])
+          try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
             try self.enqueueDelete(db, itemID: src.itemID, etag: src.etag)
-            try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [srcID])
+            try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
             src.chunks = dst.chunks
@@ -383,14 +400,18 @@ public final class IndexStore: @unchecked Sendable {
       } else {
         try self.enqueue(db, srcID)
       }
-      return RenameResult(moved: try ItemRow.fetchOne(db, key: srcID)!, replaced: replaced)
+      return RenameResult(
+        moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
+        replaced: replaced)
     }
   }
 
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
   public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
     try pool.write { db in
-      guard var row = try ItemRow.fetchOne(db, key: inode) else { throw UbiqError.notFound("inode \(inode)") }
+      guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
+        throw UbiqError.notFound("inode \(inode)")
+      }
       let now = Clock.nowNs()
       if let m = c.mode { row.mode = m & 0o7777 }
       if let u = c.uid { row.uid = u }
@@ -414,11 +435,12 @@ public final class IndexStore: @unchecked Sendable {
   /// `mtimeNs` nil keeps the stored mtime (it was set explicitly after the last write).
   public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64?) throws {
     try pool.write { db in
-      try db.execute(
-        sql: """
-          UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
-            revision = revision + 1, lastUsedNs = ? WHERE id = ?
-          """, arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
+      try db.cached(
+        """
+        UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
+          revision = revision + 1, lastUsedNs = ? WHERE id = ?
+        """
+      ).execute(arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
       if db.changesCount > 0 { try self.enqueue(db, inode) }
     }
   }
@@ -426,21 +448,21 @@ public final class IndexStore: @unchecked Sendable {
   // MARK: - user xattrs
 
   public func xattr(_ inode: Int64, _ name: String) throws -> Data? {
-    try pool.read { db in
-      try Data.fetchOne(db, sql: "SELECT value FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+    try readOne { db in
+      try Data.fetchOne(db.cached("SELECT value FROM xattrs WHERE item = ? AND name = ?"), arguments: [inode, name])
     }
   }
 
   public func xattrNames(_ inode: Int64) throws -> [String] {
-    try pool.read { db in
-      try String.fetchAll(db, sql: "SELECT name FROM xattrs WHERE item = ? ORDER BY name", arguments: [inode])
+    try readOne { db in
+      try String.fetchAll(db.cached("SELECT name FROM xattrs WHERE item = ? ORDER BY name"), arguments: [inode])
     }
   }
 
   public func allXattrs(_ inode: Int64) throws -> [String: Data] {
-    try pool.read { db in
+    try readOne { db in
       var out: [String: Data] = [:]
-      for row in try Row.fetchAll(db, sql: "SELECT name, value FROM xattrs WHERE item = ?", arguments: [inode]) {
+      for row in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
         out[row["name"]] = row["value"]
       }
       return out
@@ -452,7 +474,7 @@ public final class IndexStore: @unchecked Sendable {
   public func setXattr(_ inode: Int64, _ name: String, _ value: Data, mode: XattrMode) throws {
     try pool.write { db in
       let exists =
-        try Bool.fetchOne(db, sql: "SELECT 1 FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+        try Bool.fetchOne(db.cached("SELECT 1 FROM xattrs WHERE item = ? AND name = ?"), arguments: [inode, name])
         ?? false
       if mode == .create && exists { throw UbiqError.exists(name) }
       if mode == .replace && !exists { throw UbiqError.noData(name) }
@@ -466,7 +488,7 @@ public final class IndexStore: @unchecked Sendable {
 
   public func removeXattr(_ inode: Int64, _ name: String) throws {
     try pool.write { db in
-      try db.execute(sql: "DELETE FROM xattrs WHERE item = ? AND name = ?", arguments: [inode, name])
+      try db.cached("DELETE FROM xattrs WHERE item = ? AND name = ?").execute(arguments: [inode, name])
       if db.changesCount == 0 { throw UbiqError.noData(name) }
       try db.execute(
         sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?", arguments: [Clock.nowNs(), inode])
@@ -478,7 +500,7 @@ public final class IndexStore: @unchecked Sendable {
   public func setExcluded(_ inode: Int64, _ excluded: Bool) throws {
     try pool.write { db in
       let before = try Self.isLocalOnly(db, inode)
-      try db.execute(sql: "UPDATE items SET excluded = ? WHERE id = ?", arguments: [excluded, inode])
+      try db.cached("UPDATE items SET excluded = ? WHERE id = ?").execute(arguments: [excluded, inode])
       let after = try Self.isLocalOnly(db, inode)
       if before && !after { try self.enqueueSubtree(db, inode) }
       if !before && after { try self.detachSubtree(db, inode) }
@@ -487,7 +509,7 @@ public final class IndexStore: @unchecked Sendable {
 
   public func setPinned(_ inode: Int64, _ pinned: Bool) throws {
     try pool.write { db in
-      try db.execute(sql: "UPDATE items SET pinned = ? WHERE id = ?", arguments: [pinned, inode])
+      try db.cached("UPDATE items SET pinned = ? WHERE id = ?").execute(arguments: [pinned, inode])
     }
   }
 }

@@ -338,9 +338,12 @@ public final class ChangePuller: @unchecked Sendable {
   }
 
   func apply(_ item: CloudItem) throws -> RemoteApplyResult {
-    guard let inode = try index.item(itemID: item.itemID)?.id else {
+    guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
       return try index.applyRemote(item, uid: uid, gid: gid)
     }
+    // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
+    // transaction).
+    if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try coordinator.withInodeLock(inode) {
       if coordinator.isBusy(inode) { return RemoteApplyResult(outcome: .locallyModified, inode: inode) }
       return try index.applyRemote(item, uid: uid, gid: gid)

@@ -30,16 +30,20 @@ public final class UploadWorker: @unchecked Sendable {
   public var onMerged: ([RemoteApplyResult]) -> Void = { _ in }
   /// Optional bandwidth cap for uploads.
   public var limiter: RateLimiter?
-  /// The upload in progress, if any.
-  private var current: UploadProgress?
+  /// Uploads whose content is being sent, by inode.
+  private var sending: [Int64: UploadProgress] = [:]
+  /// How many queue entries have their content prepared (chunked, missing chunks sent) at once.
+  /// Commits still happen one at a time in queue order, so a parent always reaches the cloud
+  /// before its children and a rename before a create that reuses the old name.
+  public var parallelUploads = 6
 
-  /// Progress of the upload in flight (nil when idle).
-  public var inFlight: UploadProgress? { lock.withLock { current } }
+  /// Progress of the uploads in flight (empty when idle), by path.
+  public var inFlight: [UploadProgress] { lock.withLock { sending.values.sorted { $0.path < $1.path } } }
 
-  /// Percent uploaded of `inode` if it is the upload in flight.
+  /// Percent uploaded of `inode` if its upload is in flight.
   public func percent(_ inode: Int64) -> Int? {
     lock.withLock {
-      guard let c = current, c.inode == inode, c.totalBytes > 0 else { return nil }
+      guard let c = sending[inode], c.totalBytes > 0 else { return nil }
       return Int(Double(c.sentBytes) * 100 / Double(c.totalBytes))
     }
   }
@@ -88,10 +92,9 @@ public final class UploadWorker: @unchecked Sendable {
       var didWork = false
       do {
         let due = try index.dueQueue(now: Clock.nowNs(), limit: 64)
-        for entry in due {
-          if takeKick().stopped { return }
-          await process(entry)
+        if !due.isEmpty {
           didWork = true
+          if await drain(due) { return }
         }
       } catch {
         log.error("upload queue: \(error)")
@@ -113,10 +116,38 @@ public final class UploadWorker: @unchecked Sendable {
     }
   }
 
-  func process(_ entry: QueueEntry) async {
+  /// Processes a batch of due entries: the content of up to `parallelUploads` uploads is
+  /// prepared concurrently, ahead of the commits, which happen in queue order. Returns true if
+  /// the worker was stopped meanwhile.
+  func drain(_ due: [QueueEntry]) async -> Bool {
+    var preparing: [Int: Task<PreparedUpload?, Error>] = [:]
+    var launched = 0
+    defer { preparing.values.forEach { $0.cancel() } }
+    for i in due.indices {
+      while launched < due.count && launched < i + max(1, parallelUploads) {
+        if let inode = due[launched].item {
+          preparing[launched] = Task { [self] in try await self.prepare(inode) }
+        }
+        launched += 1
+      }
+      if takeKick().stopped {
+        for t in preparing.values {
+          t.cancel()
+          _ = try? await t.value
+        }
+        return true
+      }
+      await process(due[i], prepared: preparing.removeValue(forKey: i))
+    }
+    return false
+  }
+
+  func process(_ entry: QueueEntry, prepared: Task<PreparedUpload?, Error>?) async {
     do {
       if let inode = entry.item {
-        try await upload(entry, inode)
+        let p = try await (prepared ?? Task { try await self.prepare(inode) }).value
+        guard let p else { return try index.markDone(seq: entry.seq) }
+        try await commit(entry, inode, p)
       } else if let itemID = entry.deleteItemID {
         // No etag: the item never reached the cloud (an upload would have filled it in).
         guard entry.deleteEtag != nil else { return try index.markDone(seq: entry.seq) }
@@ -150,17 +181,23 @@ public final class UploadWorker: @unchecked Sendable {
     }
   }
 
-  func upload(_ entry: QueueEntry, _ inode: Int64) async throws {
-    guard let snap = try index.uploadSnapshot(inode) else {
-      try index.markDone(seq: entry.seq)
-      return
-    }
+  /// An item's state as of one moment, with its content already in the cloud's chunk store.
+  struct PreparedUpload: Sendable {
+    var snapshot: UploadSnapshot
+    var chunks: [ChunkRef]
+    var size: Int64
+  }
+
+  /// Takes a snapshot of an item and sends the chunks of its content the cloud lacks. Nil if
+  /// the item is gone.
+  func prepare(_ inode: Int64) async throws -> PreparedUpload? {
+    guard let snap = try index.uploadSnapshot(inode) else { return nil }
     let row = snap.row
     var chunks: [ChunkRef] = []
     var size = row.size
     let path = (try? index.path(of: inode)) ?? row.name
-    lock.withLock { current = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
-    defer { lock.withLock { current = nil } }
+    lock.withLock { sending[inode] = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
+    defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
     if row.kind == .file {
       if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
@@ -168,6 +205,15 @@ public final class UploadWorker: @unchecked Sendable {
         chunks = row.chunkList
       }
     }
+    return PreparedUpload(snapshot: snap, chunks: chunks, size: size)
+  }
+
+  /// Commits a prepared item version (If-Match its etag), merging on conflict.
+  func commit(_ entry: QueueEntry, _ inode: Int64, _ p: PreparedUpload) async throws {
+    let snap = p.snapshot
+    let row = snap.row
+    let chunks = p.chunks
+    let size = p.size
     var local = CloudItem(
       itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
       mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
@@ -221,7 +267,7 @@ public final class UploadWorker: @unchecked Sendable {
       $0[$1.hash] = $1.length
     }
     .values.reduce(0, +)
-    lock.withLock { current?.totalBytes = travelling }
+    lock.withLock { sending[inode]?.totalBytes = travelling }
     var sent = Set<String>()
     for (i, ref) in refs.enumerated() where missing.contains(ref.hash) && !sent.contains(ref.hash) {
       var data = Data(count: Int(ref.length))
@@ -243,7 +289,7 @@ public final class UploadWorker: @unchecked Sendable {
       sent.insert(ref.hash)
       lock.withLock {
         bytesSent += ref.length
-        current?.sentBytes += ref.length
+        sending[inode]?.sentBytes += ref.length
       }
     }
     guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }

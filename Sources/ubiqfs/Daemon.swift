@@ -120,13 +120,13 @@ final class Daemon {
     // Upload progress for `ubiqfs status --watch`, written while something is in flight.
     let progressURL = dir.appendingPathComponent("progress.json")
     let progressTimer = DispatchSource.makeTimerSource(queue: .global(qos: .utility))
-    nonisolated(unsafe) var lastProgress: UploadProgress?? = .none
+    nonisolated(unsafe) var lastProgress: [UploadProgress]? = nil
     progressTimer.schedule(deadline: .now() + 0.25, repeating: 0.25)
     progressTimer.setEventHandler {
       let p = worker.inFlight
-      if case .some(let last) = lastProgress, last == p { return }
-      lastProgress = .some(p)
-      if let data = try? JSONEncoder().encode(p.map { [$0] } ?? []) {
+      if let last = lastProgress, last == p { return }
+      lastProgress = p
+      if let data = try? JSONEncoder().encode(p) {
         try? data.write(to: progressURL, options: .atomic)
       }
     }
