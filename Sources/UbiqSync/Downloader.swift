@@ -190,19 +190,13 @@ public final class Downloader: @unchecked Sendable {
   }
 
   func run(_ s: ContentStream, name: String) async {
+    // The first chunk goes alone: a reader is usually waiting for it (time to first byte), and
+    // prefetches in parallel would compete with it for the disk or the link.
+    if let first = s.nextChunk() { await fetchAndRecord(s, first) }
     await withTaskGroup(of: Void.self) { group in
       for _ in 0..<max(1, parallelism) {
         group.addTask { [self] in
-          while s.failed == nil, let i = s.nextChunk() {
-            do {
-              try await fetch(s, i)
-              s.complete(i)
-            } catch let e as UbiqError {
-              s.fail(e)
-            } catch {
-              s.fail(.io("\(error)"))
-            }
-          }
+          while s.failed == nil, let i = s.nextChunk() { await fetchAndRecord(s, i) }
         }
       }
     }
@@ -222,6 +216,18 @@ public final class Downloader: @unchecked Sendable {
     lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } }
     if !ok && s.failed == nil {
       log.info("\(name) changed remotely while downloading; next read fetches the new version")
+    }
+  }
+
+  /// Fetches chunk `i` and marks it done, or fails the stream.
+  func fetchAndRecord(_ s: ContentStream, _ i: Int) async {
+    do {
+      try await fetch(s, i)
+      s.complete(i)
+    } catch let e as UbiqError {
+      s.fail(e)
+    } catch {
+      s.fail(.io("\(error)"))
     }
   }
 
