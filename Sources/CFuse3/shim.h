@@ -24,7 +24,7 @@ static inline int ubiq_reply_fd(fuse_req_t req, int fd, size_t size, off_t off) 
   buf.buf[0].flags = (enum fuse_buf_flags)(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
   buf.buf[0].fd = fd;
   buf.buf[0].pos = off;
-  return fuse_reply_data(req, &buf, FUSE_BUF_SPLICE_MOVE);
+  return fuse_reply_data(req, &buf, (enum fuse_buf_copy_flags)0);
 }
 
 #ifndef RENAME_NOREPLACE

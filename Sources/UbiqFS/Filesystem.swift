@@ -55,6 +55,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
   /// Computes the virtual `user.ubiq.*` attributes.
   lazy var xattrSurface = XattrSurface(fs: self)
   let xattrSnapshots = XattrSnapshots()
+  let pageEpochs = PageCacheEpochs()
 
   public init(
     index: IndexStore, cache: ContentCache, coordinator: WriteCoordinator, container: ContainerID,
@@ -463,14 +464,15 @@ public final class UbiqFilesystem: @unchecked Sendable {
         if writable { coordinator.noteWriterOpened(inode) }
         return fd
       }
-      let file = OpenFile(inode: inode, fd: fd, writable: writable)
+      let file = OpenFile(inode: inode, fd: fd, writable: writable, epoch: pageEpochs.current(inode))
       file.stream = stream
       let h = handles.add(file)
       handles.noteUse(inode)
       if let fi {
         fi.pointee.fh = h
-        // Local writes go through the kernel's page cache, so cached pages stay valid.
-        ubiq_fi_set_keep_cache(fi, 1)
+        // Local writes go through the kernel's page cache, so cached pages stay valid, unless
+        // the content was replaced remotely since (see PageCacheEpochs).
+        ubiq_fi_set_keep_cache(fi, pageEpochs.mayKeepPages(inode) ? 1 : 0)
       }
       _ = fuse_reply_open(req, fi)
     } catch { reply(req, error: error) }
@@ -479,8 +481,14 @@ public final class UbiqFilesystem: @unchecked Sendable {
   /// Makes sure the content of a file is in the cache (downloads evicted content).
   func ensureContent(_ row: ItemRow) throws {
     if row.content == .cached {
-      if !cache.exists(row.id!) { close(try cache.open(row.id!, create: true)) }
-      return
+      guard !cache.exists(row.id!) else { return }
+      // No cache file: an empty file (created remotely), or lost local bytes (a crash, a hand
+      // removal). Content the cloud has is downloaded again rather than shown empty.
+      guard downloader != nil, try index.markContentMissing(row.id!) else {
+        close(try cache.open(row.id!, create: true))
+        return
+      }
+      log.warning("cache file of \(row.name) was missing; downloading it again")
     }
     guard let downloader else { throw UbiqError.io("content of \(row.name) is not downloaded") }
     do {
@@ -523,6 +531,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
       }
     }
     _ = ubiq_reply_fd(req, f.fd, size, off)
+    pageEpochs.noteRead(f.inode, openedIn: f.epoch)
   }
 
   func write(
@@ -611,6 +620,9 @@ public final class UbiqFilesystem: @unchecked Sendable {
 }
 
 extension UbiqFilesystem {
+  /// Called (under the inode lock) right after a remote version replaced the cached content.
+  public func contentReplaced(_ inode: Int64) { pageEpochs.contentReplaced(inode) }
+
   /// Drops replaced or deleted local content and tells the kernel what changed remotely.
   public func remoteChangesApplied(_ results: [RemoteApplyResult]) {
     for r in results {
@@ -624,10 +636,10 @@ extension UbiqFilesystem {
           cache.remove(inode)
           coordinator.forget(inode)
         }
-      case .updated(let contentChanged) where contentChanged:
-        // Open readers keep the old bytes through their descriptor; the next open downloads.
-        cache.remove(inode)
-      default: break
+      default:
+        // Replaced content was already dropped under the inode lock by whoever applied the
+        // change (ChangePuller, UploadWorker); here only the kernel learns of it.
+        break
       }
       invalidate(inode, r.staleEntries)
     }

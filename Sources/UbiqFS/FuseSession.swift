@@ -98,7 +98,7 @@ public final class FuseSession: @unchecked Sendable {
       guard let conn else { return }
       let want =
         FUSE_CAP_READDIRPLUS | FUSE_CAP_READDIRPLUS_AUTO | FUSE_CAP_PARALLEL_DIROPS
-        | FUSE_CAP_ASYNC_READ | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE
+        | FUSE_CAP_ASYNC_READ | FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE
         // O_TRUNC arrives with open: truncating an evicted file needs no download.
         | FUSE_CAP_ATOMIC_O_TRUNC
       conn.pointee.want |= UInt32(want) & conn.pointee.capable

@@ -16,10 +16,13 @@ final class OpenFile {
   /// Set while the content is still arriving from the cloud (read-only opens of evicted files).
   /// Set at open, never changed afterwards.
   var stream: ContentStream?
-  init(inode: Int64, fd: Int32, writable: Bool) {
+  /// The inode's `PageCacheEpochs` epoch when this handle was opened.
+  var epoch: UInt64 = 0
+  init(inode: Int64, fd: Int32, writable: Bool, epoch: UInt64 = 0) {
     self.inode = inode
     self.fd = fd
     self.writable = writable
+    self.epoch = epoch
   }
 }
 

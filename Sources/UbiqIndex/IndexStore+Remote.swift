@@ -190,6 +190,22 @@ extension IndexStore {
 }
 
 extension IndexStore {
+  /// A cached file whose cache file is gone: if its content is safely in the cloud (uploaded,
+  /// nothing queued), marks it dataless so the next open downloads it again. Returns false if
+  /// the cloud does not have the current content.
+  public func markContentMissing(_ inode: Int64) throws -> Bool {
+    try pool.write { db in
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.kind == .file, row.etag != nil, row.size > 0, row.revision == row.syncedRevision,
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true
+      else { return false }
+      try db.cached("UPDATE items SET content = ? WHERE id = ?").execute(arguments: [
+        ContentState.dataless.rawValue, inode,
+      ])
+      return true
+    }
+  }
+
   /// Bytes of file content currently held in the cache (by the index's account).
   public func cachedBytes() throws -> Int64 {
     try pool.read { db in

@@ -275,6 +275,7 @@ public final class Downloader: @unchecked Sendable {
 /// then every `interval`. Items with local changes, or open for writing, are left alone.
 public final class ChangePuller: @unchecked Sendable {
   let index: IndexStore
+  let cache: ContentCache
   let cloud: CloudService
   let container: ContainerID
   let coordinator: WriteCoordinator
@@ -285,15 +286,18 @@ public final class ChangePuller: @unchecked Sendable {
   public var onApplied: ([RemoteApplyResult]) -> Void = { _ in }
   /// Called when a pull succeeds after failures (the cloud came back).
   public var onRecovered: () -> Void = {}
+  /// Called under the inode lock when a remote version replaced an item's cached content.
+  public var onContentReplaced: (Int64) -> Void = { _ in }
   private var task: Task<Void, Never>?
   private let lock = NSLock()
   private var stopped = false
 
   public init(
-    index: IndexStore, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator, uid: UInt32,
-    gid: UInt32, logger: Logger
+    index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator,
+    uid: UInt32, gid: UInt32, logger: Logger
   ) {
     self.index = index
+    self.cache = cache
     self.cloud = cloud
     self.container = container
     self.coordinator = coordinator
@@ -352,7 +356,15 @@ public final class ChangePuller: @unchecked Sendable {
     if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try coordinator.withInodeLock(inode) {
       if coordinator.isBusy(inode) { return RemoteApplyResult(outcome: .locallyModified, inode: inode) }
-      return try index.applyRemote(item, uid: uid, gid: gid)
+      let result = try index.applyRemote(item, uid: uid, gid: gid)
+      // The old bytes go now, under the inode lock: an open after this point downloads the new
+      // version, and its download must not be removed by a late clean-up. Open readers keep the
+      // old bytes through their descriptors.
+      if result.outcome == .updated(contentChanged: true) {
+        cache.remove(inode)
+        onContentReplaced(inode)
+      }
+      return result
     }
   }
 

@@ -28,6 +28,8 @@ public final class UploadWorker: @unchecked Sendable {
   public private(set) var bytesSent: Int64 = 0
   /// Called after a merged version was committed and applied to the index.
   public var onMerged: ([RemoteApplyResult]) -> Void = { _ in }
+  /// Called under the inode lock when a merged version replaced an item's cached content.
+  public var onContentReplaced: (Int64) -> Void = { _ in }
   /// Optional bandwidth cap for uploads.
   public var limiter: RateLimiter?
   /// Uploads whose content is being sent, by inode.
@@ -227,7 +229,14 @@ public final class UploadWorker: @unchecked Sendable {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
         if merged {
           // The committed version mixes both sides: bring the local row in line with it.
-          let applied = try index.adoptMerged(inode, result, localChunks: chunks)
+          let applied = try coordinator.withInodeLock(inode) {
+            let applied = try index.adoptMerged(inode, result, localChunks: chunks)
+            if applied.outcome == .updated(contentChanged: true) {
+              cache.remove(inode)
+              onContentReplaced(inode)
+            }
+            return applied
+          }
           onMerged([applied])
         }
         try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)

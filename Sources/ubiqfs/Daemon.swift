@@ -83,11 +83,12 @@ final class Daemon {
     fs.downloader = downloader
     downloader.onCached = { [weak fs] inode in fs?.attributesChanged(inode) }
     let puller = ChangePuller(
-      index: index, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(), gid: getgid(),
-      logger: log)
+      index: index, cache: cache, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(),
+      gid: getgid(), logger: log)
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
     puller.onApplied = { fs.remoteChangesApplied($0) }
+    puller.onContentReplaced = { fs.contentReplaced($0) }
     puller.onRecovered = {
       try? index.retryAllNow()
       worker.kick()
@@ -116,6 +117,7 @@ final class Daemon {
     }
     fs.uploadPercent = { worker.percent($0) }
     worker.onMerged = { fs.remoteChangesApplied($0) }
+    worker.onContentReplaced = { fs.contentReplaced($0) }
     if uploadLimitBytes > 0 { worker.limiter = RateLimiter(bytesPerSecond: uploadLimitBytes) }
     // Upload progress for `ubiqfs status --watch`, written while something is in flight.
     let progressURL = dir.appendingPathComponent("progress.json")

@@ -45,6 +45,20 @@ def device2(ubiq, tmp_path_factory):
         assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
+def test_busy_reader_on_second_device_ends_on_the_newest_content(ubiq, device2):
+    """A reader that keeps re-reading a file while it changes remotely must end on the newest
+    bytes: a read through a handle opened before the change must not leave the old bytes in the
+    kernel's page cache, and a download racing the change must not be thrown away."""
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "0")
+    for i in range(25):
+        a, b = ubiq.docs / f"poll{i}.txt", device2.docs / f"poll{i}.txt"
+        a.write_text("one\n")
+        wait_for(lambda: b.read_text() == "one\n", timeout=15, interval=0.002, what=f"poll{i}.txt = one on device 2")
+        a.write_text("two\n")
+        wait_for(lambda: b.read_text() == "two\n", timeout=15, interval=0.002, what=f"poll{i}.txt = two on device 2")
+
+
 def test_second_device_sees_creates_edits_moves_and_deletes(ubiq, device2):
     data = os.urandom(3 * 1024 * 1024 + 17)
     (ubiq.docs / "photo.bin").write_bytes(data)
