@@ -13,8 +13,8 @@ import UbiqSync
 /// Tunables of a mount.
 public struct MountOptions: Sendable {
   /// How long the kernel may cache entries and attributes, in seconds.
-  public var attrTimeout: Double = 10.0
-  public var entryTimeout: Double = 10.0
+  public var attrTimeout: Double = 60.0
+  public var entryTimeout: Double = 60.0
   public var maxThreads: Int = 16
   public var debug = false
   /// Content cache budget in bytes (0: no limit) and the free space to keep on the cache's disk.
@@ -365,6 +365,20 @@ public final class UbiqFilesystem: @unchecked Sendable {
   }
 
   // MARK: - directories
+
+  /// Lets the kernel cache the listing (and keep it across opens): local changes go through the
+  /// kernel, which drops it itself; remote ones drop it with an inode invalidation of the parent.
+  func opendir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    do {
+      let dir = try requireRow(ino)
+      guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
+      if let fi {
+        ubiq_fi_set_cache_readdir(fi, 1)
+        ubiq_fi_set_keep_cache(fi, 1)
+      }
+      _ = fuse_reply_open(req, fi)
+    } catch { reply(req, error: error) }
+  }
 
   func readdir(
     _ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, plus: Bool

@@ -55,6 +55,9 @@ public final class FuseSession: @unchecked Sendable {
     for (parent, name) in entries {
       _ = name.withCString { fuse_lowlevel_notify_inval_entry(se, fuse_ino_t(parent), $0, strlen($0)) }
     }
+    // The kernel caches directory listings (cache_readdir); an entry invalidation only drops
+    // them if that name was in the dentry cache, so the parents' listings go explicitly.
+    for parent in Set(entries.map(\.0)) { _ = fuse_lowlevel_notify_inval_inode(se, fuse_ino_t(parent), 0, 0) }
     if let inode { _ = fuse_lowlevel_notify_inval_inode(se, fuse_ino_t(inode), 0, 0) }
   }
 
@@ -129,6 +132,7 @@ public final class FuseSession: @unchecked Sendable {
     ops.flush = { req, _, fi in fsOf(req).flush(req, fi) }
     ops.release = { req, _, fi in fsOf(req).release(req, fi) }
     ops.fsync = { req, _, datasync, fi in fsOf(req).fsync(req, datasync, fi) }
+    ops.opendir = { req, ino, fi in fsOf(req).opendir(req, ino, fi) }
     ops.readdir = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: false) }
     ops.readdirplus = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: true) }
     ops.fsyncdir = { req, _, _, _ in _ = fuse_reply_err(req, 0) }

@@ -16,7 +16,7 @@ struct MountCommand: ParsableCommand {
   @Flag(name: .shortAndLong, help: "Stay in the foreground (for systemd); default is to return once mounted.")
   var foreground = false
   @Option(help: "Seconds the kernel may cache names and attributes.")
-  var cacheTimeout: Double = 10.0
+  var cacheTimeout: Double = 60.0
   @Option(help: "Milliseconds an upload waits after the last change (coalesces editor saves).")
   var uploadDelayMs: Int = 1000
   @Option(help: "Milliseconds to wait before retrying after the cloud's change feed failed.")
