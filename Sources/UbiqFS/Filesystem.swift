@@ -323,10 +323,14 @@ public final class UbiqFilesystem: @unchecked Sendable {
   func dispose(_ row: ItemRow) {
     guard let inode = row.id, row.kind == .file else { return }
     let snap = ItemSnapshot(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs)
-    if !handles.markUnlinked(inode, orphan: snap) {
-      cache.remove(inode)
-      coordinator.forget(inode)
-    }
+    if !handles.markUnlinked(inode, orphan: snap) { forgetContent(inode) }
+  }
+
+  /// An item is gone for good (inodes are never reused): its cache file and per-inode state go.
+  func forgetContent(_ inode: Int64) {
+    cache.remove(inode)
+    coordinator.forget(inode)
+    pageEpochs.forget(inode)
   }
 
   func rename(
@@ -605,10 +609,7 @@ public final class UbiqFilesystem: @unchecked Sendable {
     do { try persist(f) } catch { log.error("release: \(error)") }
     close(f.fd)
     if f.writable { coordinator.noteWriterClosed(f.inode) }
-    if last && unlinked {
-      cache.remove(f.inode)
-      coordinator.forget(f.inode)
-    }
+    if last && unlinked { forgetContent(f.inode) }
     _ = fuse_reply_err(req, 0)
   }
 
@@ -646,10 +647,7 @@ extension UbiqFilesystem {
         // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
         continue
       case .deleted:
-        if handles.liveState(inode) == nil {
-          cache.remove(inode)
-          coordinator.forget(inode)
-        }
+        if handles.liveState(inode) == nil { forgetContent(inode) }
       default:
         // Replaced content was already dropped under the inode lock by whoever applied the
         // change (ChangePuller, UploadWorker); here only the kernel learns of it.
