@@ -79,21 +79,35 @@ let package = Package(
       dependencies: [
         "UbiqCore", "UbiqIndex", "UbiqCloud", .product(name: "Logging", package: "swift-log"),
       ]),
+    // The filesystem's semantics without FUSE: typed requests and results, tested in-process.
+    .target(
+      name: "UbiqFSCore",
+      dependencies: [
+        "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync",
+        .product(name: "Logging", package: "swift-log"),
+      ]),
+    // The thin FUSE adapter over UbiqFSCore and the libfuse session.
     .target(
       name: "UbiqFS",
       dependencies: [
-        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync",
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqFSCore",
         .product(name: "Logging", package: "swift-log"),
       ]),
     .executableTarget(
       name: "ubiqfs",
       dependencies: [
-        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS",
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore",
         "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer", "UbiqKV",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),
     .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
+    .testTarget(
+      name: "UbiqFSCoreTests",
+      dependencies: [
+        "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFSCore",
+        .product(name: "Logging", package: "swift-log"),
+      ]),
     .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
     .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
     .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),

@@ -24,6 +24,26 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
   case unavailable(String)
   case busy(String)
   case accessDenied(String)
+  /// A value does not fit what can be stored (a time past 2262, a size past Int64).
+  case overflow(String)
+  /// A file would grow past the largest size ubiqfs stores.
+  case fileTooLarge(String)
+  /// The disk under the state folder is full.
+  case noSpace(String)
+  /// A name that is not valid UTF-8.
+  case illegalByteSequence(String)
+
+  /// A failed system call on local storage (the cache, the index's disk), keeping the errno a
+  /// user can act on: ENOSPC and EDQUOT (disk full), EFBIG; anything else is an I/O error.
+  public static func posix(_ code: Int32, _ what: String) -> UbiqError {
+    let why = "\(what): \(String(cString: strerror(code)))"
+    switch code {
+    case ENOSPC: return .noSpace(why)
+    case EDQUOT: return .quotaExceeded(why)
+    case EFBIG: return .fileTooLarge(why)
+    default: return .io(why)
+    }
+  }
 
   public var errno: Int32 {
     switch self {
@@ -44,6 +64,10 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .unavailable: return EHOSTUNREACH
     case .busy: return EBUSY
     case .accessDenied: return EACCES
+    case .overflow: return EOVERFLOW
+    case .fileTooLarge: return EFBIG
+    case .noSpace: return ENOSPC
+    case .illegalByteSequence: return EILSEQ
     }
   }
 
@@ -66,6 +90,10 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .unavailable(let m): return "cloud unavailable: \(m)"
     case .busy(let m): return "busy: \(m)"
     case .accessDenied(let m): return "access denied: \(m)"
+    case .overflow(let m): return "value too large: \(m)"
+    case .fileTooLarge(let m): return "file too large: \(m)"
+    case .noSpace(let m): return "no space left on the state folder's disk: \(m)"
+    case .illegalByteSequence(let m): return "name is not valid UTF-8: \(m)"
     }
   }
 }

@@ -2,22 +2,27 @@ import CFuse3
 import Foundation
 import Logging
 import UbiqCore
+import UbiqFSCore
 
 #if canImport(Glibc)
   import Glibc
 #endif
 
-/// Owns one libfuse low-level session: builds the operation table that forwards to an
-/// `UbiqFilesystem`, mounts, runs the multithreaded loop and unmounts.
+/// Owns one libfuse low-level session: builds the operation table that forwards to a
+/// `FuseAdapter` over the filesystem core, mounts, runs the multithreaded loop and unmounts,
+/// and carries the core's invalidations to the kernel.
 public final class FuseSession: @unchecked Sendable {
-  let fs: UbiqFilesystem
+  let fs: FuseAdapter
+  let core: FilesystemCore
   let mountpoint: String
-  private var session: OpaquePointer?
+  /// Guards `session` and `unmounted`.
   private let lock = NSLock()
+  private var session: OpaquePointer?
   private var unmounted = false
 
-  public init(filesystem: UbiqFilesystem, mountpoint: String) {
-    self.fs = filesystem
+  public init(core: FilesystemCore, mountpoint: String, logger: Logger) {
+    self.core = core
+    self.fs = FuseAdapter(core: core, logger: logger)
     self.mountpoint = mountpoint
   }
 
@@ -38,8 +43,8 @@ public final class FuseSession: @unchecked Sendable {
       throw UbiqError.io("cannot mount at \(mountpoint) (is /dev/fuse available and the directory empty?)")
     }
     session = se
-    fs.invalidate = { [weak self] inode, entries in self?.invalidate(inode, entries) }
-    fs.invalidateAttributes = { [weak self] inode in self?.invalidateAttributes(inode) }
+    core.invalidate = { [weak self] inode, entries in self?.invalidate(inode, entries) }
+    core.invalidateAttributes = { [weak self] inode in self?.invalidateAttributes(inode) }
   }
 
   /// Tells the kernel to forget the cached attributes (not the pages) of `inode`.
@@ -135,7 +140,7 @@ public final class FuseSession: @unchecked Sendable {
     ops.opendir = { req, ino, fi in fsOf(req).opendir(req, ino, fi) }
     ops.readdir = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: false) }
     ops.readdirplus = { req, ino, size, off, _ in fsOf(req).readdir(req, ino, size, off, plus: true) }
-    ops.fsyncdir = { req, _, _, _ in _ = fuse_reply_err(req, 0) }
+    ops.fsyncdir = { req, ino, _, _ in fsOf(req).fsyncdir(req, ino) }
     ops.statfs = { req, _ in fsOf(req).statfs(req) }
     ops.setxattr = { req, ino, name, value, size, flags in fsOf(req).setxattr(req, ino, name, value, size, flags) }
     ops.getxattr = { req, ino, name, size in fsOf(req).getxattr(req, ino, name, size) }
@@ -147,8 +152,8 @@ public final class FuseSession: @unchecked Sendable {
   }
 }
 
-/// The filesystem object a request belongs to (the session's userdata).
+/// The adapter a request belongs to (the session's userdata).
 @inline(__always)
-func fsOf(_ req: fuse_req_t?) -> UbiqFilesystem {
-  Unmanaged<UbiqFilesystem>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
+func fsOf(_ req: fuse_req_t?) -> FuseAdapter {
+  Unmanaged<FuseAdapter>.fromOpaque(fuse_req_userdata(req)!).takeUnretainedValue()
 }

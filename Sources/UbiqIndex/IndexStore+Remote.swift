@@ -33,7 +33,12 @@ extension IndexStore {
 
   /// Applies one remote item version to the index. Files whose content changed become dataless
   /// (downloaded on the next read). Never touches an item with local changes waiting to upload.
-  public func applyRemote(_ r: CloudItem, uid: UInt32, gid: UInt32) throws -> RemoteApplyResult {
+  /// `deferNameCollisions`: a record whose name is held by another item that has no local
+  /// changes is deferred (`.deferred`) rather than renamed, because the cloud's record of that
+  /// other item may come later in the same pull (an exchange, a swap of names through moves).
+  public func applyRemote(
+    _ r: CloudItem, uid: UInt32, gid: UInt32, deferNameCollisions: Bool = false
+  ) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
       // Deleted here, delete not yet done in the cloud: do not bring it back.
@@ -62,7 +67,8 @@ extension IndexStore {
         return RemoteApplyResult(
           outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
       }
-      return try self.applyRecord(db, r, to: local, uid: uid, gid: gid)
+      return try self.applyRecord(
+        db, r, to: local, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
     }
   }
 
@@ -70,7 +76,8 @@ extension IndexStore {
   /// (resolving name collisions), attributes, xattrs, content state, base and conflicts.
   /// `localChunks`: what the cache holds if it differs from the row's manifest (after a merge).
   func applyRecord(
-    _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil
+    _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil,
+    deferNameCollisions: Bool = false
   ) throws -> RemoteApplyResult {
     guard let parentItemID = r.parentID,
       let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentItemID])
@@ -79,9 +86,15 @@ extension IndexStore {
     // Two items want one name: the one that reached the cloud later (or not yet) yields and
     // becomes "name 2.ext". Every device applies the same rule, so all converge.
     var name = r.name
+    var renamedHere = false
     if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
       let other = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [otherID])
     {
+      if deferNameCollisions, other.etag != nil, other.revision == other.syncedRevision,
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) != true
+      {
+        return RemoteApplyResult(outcome: .deferred)
+      }
       let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
       if otherSeq > r.changeSeq {
         let moved = try Self.freeName(db, parent, other.name)
@@ -92,6 +105,7 @@ extension IndexStore {
         stale += [(parent, other.name), (parent, moved)]
       } else {
         name = try Self.freeName(db, parent, r.name, except: local?.id)
+        renamedHere = true
       }
     }
     let manifest = ItemRow.json(r.chunks)
@@ -115,8 +129,11 @@ extension IndexStore {
       row.conflicts = conflicts
       if contentChanged { row.content = r.size == 0 ? .cached : .dataless }
       row.syncedRevision = row.revision
+      // A name changed here to resolve a collision goes to the cloud, so every device agrees.
+      if renamedHere { row.revision += 1 }
       try row.update(db)
       try Self.replaceXattrs(db, row.id!, r.xattrs)
+      if renamedHere { try self.enqueue(db, row.id!) }
       return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
     }
     var row = ItemRow(
@@ -126,8 +143,10 @@ extension IndexStore {
     row.chunks = manifest
     row.base = ItemRow.json(r)
     row.conflicts = conflicts
+    if renamedHere { row.revision = 1 }
     try row.insert(db)
     try Self.replaceXattrs(db, row.id!, r.xattrs)
+    if renamedHere { try self.enqueue(db, row.id!) }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
   }
 

@@ -8,6 +8,8 @@ import UbiqCore
 public final class IndexStore: @unchecked Sendable {
   public let pool: any DatabaseWriter
   public static let rootInode: Int64 = 1
+  /// Deeper than any path the kernel can form (PATH_MAX / 2): ancestor walks stop here.
+  static let maxDepth = 2048
   /// Uploads wait this long after the last change, so that temp files renamed or deleted quickly
   /// (editor saves, sqlite journals) never travel.
   public var uploadDelayNs: Int64 = 1_000_000_000
@@ -56,6 +58,12 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v2-conflicts") { db in
       try db.execute(sql: "ALTER TABLE items ADD COLUMN base TEXT")
       try db.execute(sql: "ALTER TABLE items ADD COLUMN conflicts TEXT")
+    }
+    // Files written through a handle since their last flush: the cache file may hold bytes the
+    // items row does not describe yet. Found and recorded at the next mount after a crash.
+    m.registerMigration("v3-dirty-content") { db in
+      try db.execute(
+        sql: "CREATE TABLE dirtyContent(item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE)")
     }
     return m
   }
@@ -169,13 +177,42 @@ public final class IndexStore: @unchecked Sendable {
     try pool.read { db in try Self.isLocalOnly(db, inode) }
   }
 
+  /// Makes every committed change durable: the index runs with synchronous=NORMAL (commits
+  /// reach the WAL without an fsync), and a checkpoint fsyncs the WAL first. Called where a
+  /// caller was promised durability (fsync, fsyncdir).
+  public func makeDurable() throws {
+    try pool.writeWithoutTransaction { db in try db.execute(sql: "PRAGMA wal_checkpoint(PASSIVE)") }
+  }
+
+  /// Directories directly below `inode` (a directory's link count is 2 plus this).
+  public func subdirectoryCount(_ inode: Int64) throws -> Int {
+    try readOne { db in
+      try Int.fetchOne(
+        db.cached("SELECT count(*) FROM items WHERE parent = ? AND kind = ?"),
+        arguments: [inode, ItemKind.directory.rawValue]) ?? 0
+    }
+  }
+
+  /// The errno for a failure of the index's storage: ENOSPC when its disk is full, EIO for other
+  /// I/O failures; nil for errors that are not storage failures.
+  public static func storageErrno(_ error: Error) -> Int32? {
+    guard let e = error as? DatabaseError else { return nil }
+    switch e.resultCode {
+    case .SQLITE_FULL: return ENOSPC
+    case .SQLITE_IOERR, .SQLITE_CORRUPT, .SQLITE_CANTOPEN, .SQLITE_READONLY: return EIO
+    default: return nil
+    }
+  }
+
   /// Is `ancestor` the item itself or one of its ancestors?
   public func isDescendant(_ inode: Int64, of ancestor: Int64) throws -> Bool {
     try pool.read { db in
       var cur: Int64? = inode
-      while let c = cur {
+      var depth = 0
+      while let c = cur, depth <= Self.maxDepth {
         if c == ancestor { return true }
         cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
+        depth += 1
       }
       return false
     }
@@ -325,8 +362,12 @@ public final class IndexStore: @unchecked Sendable {
       // Moving a directory below itself.
       if src.isDirectory {
         var cur: Int64? = newParent
+        var depth = 0
         while let c = cur {
           if c == srcID { throw UbiqError.invalidArgument("cannot move a directory into itself") }
+          depth += 1
+          // A chain longer than any real tree means the index holds a cycle: refuse, never spin.
+          if depth > Self.maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
           cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
         }
       }
@@ -335,28 +376,12 @@ public final class IndexStore: @unchecked Sendable {
       let dstID = try Self.childID(db, newParent, newName)
       var replaced: ItemRow? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
-      if let dstID, var dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
+      if let dstID, let dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
         switch mode {
         case .noReplace:
           throw UbiqError.exists(newName)
         case .exchange:
-          // Swap the two names through a temporary name (the (parent, name) pair is unique).
-          try db.execute(
-            sql: "UPDATE items SET name = ?, parent = ? WHERE id = ?", arguments: ["\u{1}swap\(srcID)", parent, dstID])
-          try db.execute(
-            sql: "UPDATE items SET name = ?, parent = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-            arguments: [newName, newParent, now, srcID])
-          try db.execute(
-            sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-            arguments: [name, now, dstID])
-          try Self.touchDirectory(db, parent, now)
-          try Self.touchDirectory(db, newParent, now)
-          try self.enqueue(db, srcID)
-          try self.enqueue(db, dstID)
-          dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID])!
-          return RenameResult(
-            moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
-            replaced: nil)
+          return try exchange(db, src: src, dst: dst, now: now)
         case .replace:
           if dst.isDirectory && !src.isDirectory { throw UbiqError.isDirectory(newName) }
           if !dst.isDirectory && src.isDirectory { throw UbiqError.notDirectory(newName) }
@@ -370,11 +395,13 @@ public final class IndexStore: @unchecked Sendable {
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
+            // Its content stays its own: a dataless source keeps the chunk list its bytes are
+            // downloaded (and uploaded) from; a cached one is uploaded from its cache file.
             try self.enqueueDelete(db, itemID: src.itemID, etag: src.etag)
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
-            src.chunks = dst.chunks
+            if src.content == .cached { src.chunks = dst.chunks }
             src.syncedRevision = 0
             try db.execute(
               sql: """
@@ -406,6 +433,66 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
+  /// RENAME_EXCHANGE of `src` and `dst`: the same checks as a plain rename, applied to both
+  /// directions (neither is Documents; a directory never lands below itself).
+  ///
+  /// Two files swap their cloud identities along with their names: the cloud item at each path
+  /// stays where it is and gets the other file's content as its next version, so no state of
+  /// the cloud ever has both at one name. Each file keeps its own content (a dataless one keeps
+  /// the chunk list its bytes come from). Anything else is two moves.
+  func exchange(_ db: Database, src: ItemRow, dst: ItemRow, now: Int64) throws -> RenameResult {
+    let srcID = src.id!
+    let dstID = dst.id!
+    if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
+    for (moving, into) in [(src, dst.parent), (dst, src.parent)] where moving.isDirectory {
+      var cur = into
+      var depth = 0
+      while let c = cur {
+        if c == moving.id { throw UbiqError.invalidArgument("cannot move a directory into itself") }
+        depth += 1
+        if depth > Self.maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
+        cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
+      }
+    }
+    let wasLocalOnly = [try Self.isLocalOnly(db, srcID), try Self.isLocalOnly(db, dstID)]
+    // Swap the two places through a temporary name (the (parent, name) pair is unique).
+    try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: ["\u{1}swap\(srcID)", dstID])
+    try db.execute(
+      sql: "UPDATE items SET name = ?, parent = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+      arguments: [dst.name, dst.parent, now, srcID])
+    try db.execute(
+      sql: "UPDATE items SET name = ?, parent = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+      arguments: [src.name, src.parent, now, dstID])
+    let nowLocalOnly = [try Self.isLocalOnly(db, srcID), try Self.isLocalOnly(db, dstID)]
+    if src.kind == .file && dst.kind == .file && wasLocalOnly == [false, false] && nowLocalOnly == [false, false] {
+      // Identity swap; the unique itemID goes through a temporary value.
+      func identity(of row: ItemRow, for other: ItemRow) -> [DatabaseValueConvertible?] {
+        // The chunk list describes the content of a dataless file: it stays with the file.
+        [row.itemID, row.etag, other.content == .dataless ? other.chunks : row.chunks, row.base, row.conflicts]
+      }
+      let sql =
+        "UPDATE items SET itemID = ?, etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = 0 WHERE id = ?"
+      try db.execute(sql: "UPDATE items SET itemID = ? WHERE id = ?", arguments: ["\u{1}swap\(srcID)", srcID])
+      try db.execute(sql: sql, arguments: StatementArguments(identity(of: src, for: dst) + [dstID]))
+      try db.execute(sql: sql, arguments: StatementArguments(identity(of: dst, for: src) + [srcID]))
+      try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
+    }
+    try Self.touchDirectory(db, src.parent!, now)
+    if dst.parent != src.parent { try Self.touchDirectory(db, dst.parent!, now) }
+    for (i, id) in [srcID, dstID].enumerated() {
+      if wasLocalOnly[i] && !nowLocalOnly[i] {
+        try self.enqueueSubtree(db, id)
+      } else if !wasLocalOnly[i] && nowLocalOnly[i] {
+        try self.detachSubtree(db, id)
+      } else {
+        try self.enqueue(db, id)
+      }
+    }
+    return RenameResult(
+      moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
+      replaced: nil)
+  }
+
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
   public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
     try pool.write { db in
@@ -433,7 +520,9 @@ public final class IndexStore: @unchecked Sendable {
   /// Records new local content (after close/fsync of a written file): size, mtime, and a new
   /// revision queued for upload.
   /// `mtimeNs` nil keeps the stored mtime (it was set explicitly after the last write).
-  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64?) throws {
+  /// `clean`: no handle holds writes beyond this state any more, so the dirty mark goes in the
+  /// same transaction.
+  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false) throws {
     try pool.write { db in
       try db.cached(
         """
@@ -442,6 +531,29 @@ public final class IndexStore: @unchecked Sendable {
         """
       ).execute(arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
       if db.changesCount > 0 { try self.enqueue(db, inode) }
+      if clean { try db.cached("DELETE FROM dirtyContent WHERE item = ?").execute(arguments: [inode]) }
+    }
+  }
+
+  /// Records, before the first write through a clean handle is acknowledged, that the cache file
+  /// of `inode` is about to hold bytes the index does not describe.
+  public func markContentDirty(_ inode: Int64) throws {
+    try pool.write { db in
+      // An unlinked file that is still open has no row: nothing to recover for it.
+      try db.cached("INSERT OR IGNORE INTO dirtyContent(item) SELECT id FROM items WHERE id = ?")
+        .execute(arguments: [inode])
+    }
+  }
+
+  /// Files whose handles had unrecorded writes when the daemon stopped (a crash).
+  public func dirtyContentItems() throws -> [Int64] {
+    try pool.read { db in try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent ORDER BY item") }
+  }
+
+  /// Drops a dirty mark without recording anything (the cache file is gone).
+  public func clearContentDirty(_ inode: Int64) throws {
+    try pool.write { db in
+      try db.cached("DELETE FROM dirtyContent WHERE item = ?").execute(arguments: [inode])
     }
   }
 

@@ -77,6 +77,9 @@ public final class WriteCoordinator: @unchecked Sendable {
     }
   }
 
+  /// Open handles of `inode` holding writes not yet recorded in the index.
+  public func dirtyHandleCount(_ inode: Int64) -> Int { lock.withLock { states[inode]?.dirtyHandles ?? 0 } }
+
   /// A dirty handle was flushed (close/fsync) and its content recorded in the index.
   public func noteFlushed(_ inode: Int64) {
     lock.withLock {

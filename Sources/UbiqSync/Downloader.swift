@@ -24,6 +24,12 @@ public final class ContentStream: @unchecked Sendable {
   private var wanted: [Int] = []
   private var failure: UbiqError?
   private var isFinished = false
+  /// Set when the file's content was replaced locally (truncate, O_TRUNC): no chunk of the old
+  /// version may land in the cache file after that, and waiting readers read the file as it is.
+  private var isSuperseded = false
+  /// Held around every write into the cache file, so `supersede` returns only after the last
+  /// write of an old chunk is done.
+  private let writeLock = NSLock()
   public var finished: Bool { cond.withLock { isFinished } }
   private var doneCount = 0
 
@@ -75,6 +81,7 @@ public final class ContentStream: @unchecked Sendable {
     }
     let deadline = Date(timeIntervalSinceNow: Double(timeoutNs) / 1e9)
     while range.contains(where: { !done[$0] }) {
+      if isSuperseded { return }
       if let failure { throw failure }
       if !cond.wait(until: deadline) {
         throw UbiqError.unavailable("timed out waiting for content from the cloud")
@@ -89,6 +96,7 @@ public final class ContentStream: @unchecked Sendable {
   func nextChunk() -> Int? {
     cond.lock()
     defer { cond.unlock() }
+    if isSuperseded { return nil }
     while let w = wanted.first {
       wanted.removeFirst()
       if !done[w] && !inFlight.contains(w) {
@@ -118,6 +126,37 @@ public final class ContentStream: @unchecked Sendable {
     cond.withLock {
       if failure == nil { failure = e }
       cond.broadcast()
+    }
+  }
+
+  /// Stops the download for good because the local content replaced the version it fetches.
+  /// Returns once no old chunk can be written into the cache file any more.
+  func supersede() {
+    writeLock.withLock {
+      cond.withLock {
+        isSuperseded = true
+        cond.broadcast()
+      }
+    }
+  }
+
+  public var superseded: Bool { cond.withLock { isSuperseded } }
+
+  /// Writes fetched bytes at `offset` of the cache file unless the download was superseded.
+  /// Returns false if it was (nothing written).
+  func writeChunk(_ data: Data, at offset: Int64) throws -> Bool {
+    try writeLock.withLock {
+      if superseded { return false }
+      try data.withUnsafeBytes { raw in
+        var done = 0
+        while done < raw.count {
+          let n = pwrite(fd, raw.baseAddress! + done, raw.count - done, off_t(offset) + off_t(done))
+          if n < 0 && errno == EINTR { continue }
+          if n <= 0 { throw UbiqError.io("writing the cache: \(String(cString: strerror(errno)))") }
+          done += n
+        }
+      }
+      return true
     }
   }
 
@@ -177,6 +216,13 @@ public final class Downloader: @unchecked Sendable {
     }
   }
 
+  /// The file's content was replaced locally (truncated): a running download of the previous
+  /// version stops before this returns, and never marks the file cached.
+  public func supersede(_ inode: Int64) {
+    guard let s = lock.withLock({ streams.removeValue(forKey: inode) }) else { return }
+    s.supersede()
+  }
+
   /// Blocks until the content of `inode` is cached (writable opens, pinning, `download`).
   public func ensureCached(_ inode: Int64) throws {
     for _ in 0..<3 {
@@ -202,7 +248,9 @@ public final class Downloader: @unchecked Sendable {
     }
     close(s.fd)
     var ok = false
-    if let e = s.failed {
+    if s.superseded {
+      log.debug("download of \(name) stopped: the file was replaced locally")
+    } else if let e = s.failed {
       log.warning("download of \(name) failed: \(e)")
       lock.withLock { failures[s.inode] = e.description }
     } else {
@@ -243,15 +291,7 @@ public final class Downloader: @unchecked Sendable {
         guard Int64(data.count) == chunk.length, Chunker.sha256Hex(data) == chunk.hash else {
           throw UbiqError.io("downloaded chunk \(chunk.hash.prefix(12)) does not match its hash")
         }
-        try data.withUnsafeBytes { raw in
-          var done = 0
-          while done < raw.count {
-            let n = pwrite(s.fd, raw.baseAddress! + done, raw.count - done, off_t(s.offsets[i]) + off_t(done))
-            if n < 0 && errno == EINTR { continue }
-            if n <= 0 { throw UbiqError.io("writing the cache: \(String(cString: strerror(errno)))") }
-            done += n
-          }
-        }
+        _ = try s.writeChunk(data, at: s.offsets[i])
         return
       } catch let e as CloudError {
         switch e {
@@ -315,24 +355,28 @@ public final class ChangePuller: @unchecked Sendable {
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
       for item in batch.items {
-        let r = try apply(item)
+        let r = try apply(item, deferNameCollisions: true)
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
-      // Parents may come later in the feed than their children (moves): retry the deferred.
-      var progress = true
-      while progress && !deferred.isEmpty {
-        progress = false
-        var still: [CloudItem] = []
-        for item in deferred {
-          let r = try apply(item)
-          if r.outcome == .deferred {
-            still.append(item)
-          } else {
-            all.append(r)
-            progress = true
+      // Parents may come later in the feed than their children (moves), and the item holding a
+      // name may be moving away later in the feed (exchanges): retry the deferred while that
+      // makes progress, then settle the remaining name collisions by the naming rule.
+      for deferCollisions in [true, false] {
+        var progress = true
+        while progress && !deferred.isEmpty {
+          progress = false
+          var still: [CloudItem] = []
+          for item in deferred {
+            let r = try apply(item, deferNameCollisions: deferCollisions)
+            if r.outcome == .deferred {
+              still.append(item)
+            } else {
+              all.append(r)
+              progress = true
+            }
           }
+          deferred = still
         }
-        deferred = still
       }
       token = batch.token
       // Never move the token past an item still waiting for its parent: the next pull sees it
@@ -347,16 +391,16 @@ public final class ChangePuller: @unchecked Sendable {
     return effective
   }
 
-  func apply(_ item: CloudItem) throws -> RemoteApplyResult {
+  func apply(_ item: CloudItem, deferNameCollisions: Bool = false) throws -> RemoteApplyResult {
     guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
-      return try index.applyRemote(item, uid: uid, gid: gid)
+      return try index.applyRemote(item, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
     // transaction).
     if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try coordinator.withInodeLock(inode) {
       if coordinator.isBusy(inode) { return RemoteApplyResult(outcome: .locallyModified, inode: inode) }
-      let result = try index.applyRemote(item, uid: uid, gid: gid)
+      let result = try index.applyRemote(item, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
       // old bytes through their descriptors.

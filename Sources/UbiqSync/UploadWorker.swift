@@ -203,6 +203,16 @@ public final class UploadWorker: @unchecked Sendable {
     if row.kind == .file {
       if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
+        if size != row.size {
+          // The cache file and the index disagree: either a flush landed after the snapshot
+          // (the next attempt sees it), or bytes were written without being recorded. The cache
+          // file is the content; the index follows it before anything is committed.
+          if let fresh = try index.item(inode), fresh.size != size, !coordinator.isBusy(inode) {
+            log.warning("\(row.name): cache file has \(size) bytes, index said \(fresh.size); recording the file")
+            try index.recordContentChange(inode, size: size, mtimeNs: nil)
+          }
+          throw Postpone(ns: 50_000_000)
+        }
       } else {
         chunks = row.chunkList
       }

@@ -4,6 +4,7 @@ import Logging
 import UbiqCloud
 import UbiqCore
 import UbiqFS
+import UbiqFSCore
 import UbiqIndex
 import UbiqSync
 
@@ -75,9 +76,11 @@ final class Daemon {
     let worker = UploadWorker(
       index: index, cache: cache, cloud: cloud, coordinator: coordinator, container: container, deviceID: deviceID,
       logger: log)
-    let fs = UbiqFilesystem(
+    let fs = FilesystemCore(
       index: index, cache: cache, coordinator: coordinator, container: container, options: options, logger: log,
       onQueued: { worker.kick() })
+    // Writes a crash left unrecorded become a local revision before remote changes are applied.
+    try fs.recoverUnrecordedWrites()
     let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
     if downloadLimitBytes > 0 { downloader.limiter = RateLimiter(bytesPerSecond: downloadLimitBytes) }
     fs.downloader = downloader
@@ -93,7 +96,7 @@ final class Daemon {
       try? index.retryAllNow()
       worker.kick()
     }
-    let session = FuseSession(filesystem: fs, mountpoint: mountpoint)
+    let session = FuseSession(core: fs, mountpoint: mountpoint, logger: log)
     try session.mount(fsname: "ubiqfs:\(container.rawValue)")
     worker.start()
     puller.start(retryNs: UInt64(pullIntervalMs) * 1_000_000)

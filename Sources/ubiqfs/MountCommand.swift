@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import UbiqCore
 import UbiqFS
+import UbiqFSCore
 
 #if canImport(Glibc)
   import Glibc

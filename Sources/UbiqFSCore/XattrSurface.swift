@@ -1,4 +1,3 @@
-import CFuse3
 import Foundation
 import UbiqCore
 import UbiqIndex
@@ -10,7 +9,7 @@ import UbiqIndex
 /// The extended-attribute surface: the user's own `user.*` attributes (stored in the index and
 /// synced) and the virtual `user.ubiq.*` status/control attributes computed from the index.
 struct XattrSurface {
-  unowned let fs: UbiqFilesystem
+  unowned let fs: FilesystemCore
   static let prefix = "user.ubiq."
   /// Read-only status attributes. Writes to them are accepted and ignored, so that `cp -a` and
   /// `rsync -X` between two places in the mount keep working.
@@ -53,43 +52,39 @@ struct XattrSurface {
     }
   }
 
-  func get(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: String, _ size: Int) throws {
+  func get(_ inode: Int64, _ name: String, size: Int) throws -> XattrAnswer {
     // security.*, system.*, trusted.* are not supported (no SELinux labels, no POSIX ACLs):
     // answer without touching the index. EOPNOTSUPP rather than ENODATA lets `ls -l` remember
     // that for the whole device and stop asking for every file (two round trips per entry).
     guard name.hasPrefix("user.") else { throw UbiqError.notSupported("\(name): only user.* attributes exist here") }
-    let row = try fs.requireRow(ino)
+    let row = try fs.requireRow(inode)
     let value: Data
     if name.hasPrefix(Self.prefix) {
       guard let v = try virtualValue(String(name.dropFirst(Self.prefix.count)), row) else {
         throw UbiqError.noData(name)
       }
       value = Data(v.utf8)
-    } else if name.hasPrefix("user.") {
+    } else {
       guard let v = try fs.index.xattr(row.id!, name) else { throw UbiqError.noData(name) }
       value = v
-    } else {
-      throw UbiqError.noData(name)
     }
-    try reply(req, ino, name, value, size)
+    return try answer(inode, name, value, size)
   }
 
-  /// Answers a size query (and remembers the value) or sends the value; see `XattrSnapshots`.
-  private func reply(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ key: String, _ value: Data, _ size: Int) throws {
+  /// Answers a size query (and remembers the value) or gives the value; see `XattrSnapshots`.
+  private func answer(_ inode: Int64, _ key: String, _ value: Data, _ size: Int) throws -> XattrAnswer {
     if size == 0 {
-      fs.xattrSnapshots.remember(UInt64(ino), key, value)
-      _ = fuse_reply_xattr(req, value.count)
-    } else if let fitting = fs.xattrSnapshots.fitting(UInt64(ino), key, current: value, size: size) {
-      fitting.withUnsafeBytes { raw in
-        _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
-      }
-    } else {
+      fs.xattrSnapshots.remember(UInt64(inode), key, value)
+      return .size(value.count)
+    }
+    guard let fitting = fs.xattrSnapshots.fitting(UInt64(inode), key, current: value, size: size) else {
       throw UbiqError.range(key)
     }
+    return .value(fitting)
   }
 
-  func list(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) throws {
-    let row = try fs.requireRow(ino)
+  func list(_ inode: Int64, size: Int) throws -> XattrAnswer {
+    let row = try fs.requireRow(inode)
     var names = try fs.index.xattrNames(row.id!)
     // The kernel refuses user.* attributes on symlinks, so list none there.
     if row.kind != .symlink {
@@ -101,11 +96,11 @@ struct XattrSurface {
       blob.append(0)
     }
     // "\0" cannot occur in an attribute name, so it keys the list's snapshot.
-    try reply(req, ino, "\0list", blob, size)
+    return try answer(inode, "\0list", blob, size)
   }
 
-  func set(_ ino: fuse_ino_t, _ name: String, _ value: Data, _ flags: Int32) throws {
-    let row = try fs.requireRow(ino)
+  func set(_ inode: Int64, _ name: String, _ value: Data, _ flags: XattrFlags) throws {
+    let row = try fs.requireRow(inode)
     if name.hasPrefix(Self.prefix) {
       let key = String(name.dropFirst(Self.prefix.count))
       let text = String(decoding: value, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
@@ -132,13 +127,13 @@ struct XattrSurface {
     if name.utf8.count > 255 { throw UbiqError.range("attribute name too long") }
     if value.count > 64 * 1024 { throw UbiqError.range("attribute value larger than 64 KiB") }
     let mode: IndexStore.XattrMode =
-      flags & UBIQ_XATTR_CREATE != 0 ? .create : (flags & UBIQ_XATTR_REPLACE != 0 ? .replace : .any)
+      flags.contains(.create) ? .create : (flags.contains(.replace) ? .replace : .any)
     try fs.index.setXattr(row.id!, name, value, mode: mode)
     fs.onQueued()
   }
 
-  func remove(_ ino: fuse_ino_t, _ name: String) throws {
-    let row = try fs.requireRow(ino)
+  func remove(_ inode: Int64, _ name: String) throws {
+    let row = try fs.requireRow(inode)
     if name.hasPrefix(Self.prefix) {
       // Removing a control attribute resets it; status attributes are computed, so removing one
       // is a no-op (rsync -X removes what it did not copy).
@@ -166,59 +161,18 @@ struct XattrSurface {
   }
 }
 
-extension UbiqFilesystem {
-  /// `user.ubiq.action`: download | evict.
-  func perform(action: String, on row: ItemRow) throws {
-    switch action {
-    case "download":
-      if row.kind == .file { try ensureContent(row) }
-    case "evict":
-      try evict(row)
-    default:
-      throw UbiqError.invalidArgument("user.ubiq.action takes 'download' or 'evict', not '\(action)'")
-    }
+extension FilesystemCore {
+  var xattrSurface: XattrSurface { XattrSurface(fs: self) }
+
+  public func getxattr(_ inode: Int64, name: String, size: Int) throws -> XattrAnswer {
+    try xattrSurface.get(inode, name, size: size)
   }
 
-  func getxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?, _ size: Int) {
-    do { try xattrSurface.get(req, ino, self.name(name), size) } catch { reply(req, error: error) }
+  public func listxattr(_ inode: Int64, size: Int) throws -> XattrAnswer { try xattrSurface.list(inode, size: size) }
+
+  public func setxattr(_ inode: Int64, name: String, value: Data, flags: XattrFlags) throws {
+    try xattrSurface.set(inode, name, value, flags)
   }
 
-  func listxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) {
-    do { try xattrSurface.list(req, ino, size) } catch { reply(req, error: error) }
-  }
-
-  func setxattr(
-    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?, _ value: UnsafePointer<CChar>?,
-    _ size: Int, _ flags: Int32
-  ) {
-    do {
-      let data = value.map { Data(bytes: $0, count: size) } ?? Data()
-      try xattrSurface.set(ino, self.name(name), data, flags)
-      _ = fuse_reply_err(req, 0)
-    } catch { reply(req, error: error) }
-  }
-
-  func removexattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ name: UnsafePointer<CChar>?) {
-    do {
-      try xattrSurface.remove(ino, self.name(name))
-      _ = fuse_reply_err(req, 0)
-    } catch { reply(req, error: error) }
-  }
-}
-
-extension UbiqFilesystem {
-  /// `user.ubiq.resolve` = current | VERSION: resolves an item's conflict versions.
-  func resolve(_ row: ItemRow, keep: String) throws {
-    guard row.kind == .file else { throw UbiqError.invalidArgument("only files have versions") }
-    guard !keep.isEmpty else { throw UbiqError.invalidArgument("user.ubiq.resolve takes 'current' or a version id") }
-    let inode = row.id!
-    try coordinator.withInodeLock(inode) {
-      if keep != "current" && handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
-      if try index.resolveConflicts(inode, keep: keep == "current" ? nil : keep) {
-        cache.remove(inode)
-      }
-    }
-    onQueued()
-    invalidate(inode, [])
-  }
+  public func removexattr(_ inode: Int64, name: String) throws { try xattrSurface.remove(inode, name) }
 }

@@ -1,0 +1,385 @@
+import CFuse3
+import Foundation
+import Logging
+import UbiqCore
+import UbiqFSCore
+import UbiqIndex
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The FUSE low-level callbacks of one mount, over a `FilesystemCore`: decodes the kernel's
+/// arguments, calls the core, and replies exactly once (the result, or the error's errno).
+/// Owns nothing but the conversion between C and the core's types.
+final class FuseAdapter: @unchecked Sendable {
+  let core: FilesystemCore
+  let log: Logger
+  var options: MountOptions { core.options }
+
+  init(core: FilesystemCore, logger: Logger) {
+    self.core = core
+    self.log = logger
+  }
+
+  // MARK: - conversions
+
+  func reply(_ req: fuse_req_t?, error: Error) {
+    _ = fuse_reply_err(req, errno(for: error))
+  }
+
+  /// The errno a failure is reported with; unexpected errors are logged and become EIO.
+  func errno(for error: Error) -> Int32 {
+    if let e = error as? UbiqError { return e.errno }
+    if let code = IndexStore.storageErrno(error) {
+      log.warning("index storage: \(error)")
+      return code
+    }
+    log.error("internal error: \(error)")
+    return EIO
+  }
+
+  /// A name from the kernel. Names are stored exactly as given (no Unicode normalization, as on
+  /// ext4); bytes that are not UTF-8 are refused with EILSEQ, never replaced.
+  func name(_ p: UnsafePointer<CChar>?) throws -> String {
+    guard let p else { return "" }
+    guard let s = String(validatingCString: p) else {
+      throw UbiqError.illegalByteSequence(String(decoding: Data(bytes: p, count: strlen(p)), as: UTF8.self))
+    }
+    return s
+  }
+
+  func caller(_ req: fuse_req_t?) -> Caller {
+    guard let ctx = fuse_req_ctx(req) else { return .current }
+    return Caller(uid: ctx.pointee.uid, gid: ctx.pointee.gid, pid: ctx.pointee.pid)
+  }
+
+  func stat(_ a: FileAttributes) -> stat {
+    var st = Glibc.stat()
+    st.st_ino = UInt(a.inode)
+    let typeBits: UInt32
+    switch a.kind {
+    case .file: typeBits = S_IFREG
+    case .directory: typeBits = S_IFDIR
+    case .symlink: typeBits = S_IFLNK
+    }
+    st.st_mode = typeBits | a.mode
+    st.st_nlink = UInt(a.linkCount)
+    st.st_uid = a.uid
+    st.st_gid = a.gid
+    st.st_size = Int(a.size)
+    st.st_blksize = 128 * 1024
+    st.st_blocks = Int(a.blocks)
+    st.st_atim = FileTime.timespec(a.atimeNs)
+    st.st_mtim = FileTime.timespec(a.mtimeNs)
+    st.st_ctim = FileTime.timespec(a.ctimeNs)
+    return st
+  }
+
+  func entry(_ a: FileAttributes) -> fuse_entry_param {
+    var e = fuse_entry_param()
+    e.ino = fuse_ino_t(a.inode)
+    e.generation = 1
+    e.attr = stat(a)
+    e.attr_timeout = options.attrTimeout
+    e.entry_timeout = options.entryTimeout
+    return e
+  }
+
+  func replyEntry(_ req: fuse_req_t?, _ a: FileAttributes) {
+    var e = entry(a)
+    _ = fuse_reply_entry(req, &e)
+  }
+
+  func replyOpen(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?, _ opened: OpenedFile) {
+    if let fi {
+      fi.pointee.fh = opened.handle
+      ubiq_fi_set_keep_cache(fi, opened.keepCache ? 1 : 0)
+    }
+    _ = fuse_reply_open(req, fi)
+  }
+
+  /// Runs `body` and replies with its error, if any; `body` replies on success.
+  @inline(__always)
+  func run(_ req: fuse_req_t?, _ body: () throws -> Void) {
+    do { try body() } catch { reply(req, error: error) }
+  }
+
+  // MARK: - namespace
+
+  func lookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?) {
+    run(req) {
+      guard let a = try core.lookup(parent: Int64(parent), name: try name(namePtr)) else {
+        // Negative entry, cached by the kernel for the entry timeout.
+        var e = fuse_entry_param()
+        e.ino = 0
+        e.entry_timeout = options.entryTimeout
+        _ = fuse_reply_entry(req, &e)
+        return
+      }
+      replyEntry(req, a)
+    }
+  }
+
+  func getattr(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
+    run(req) {
+      let a = try core.getattr(Int64(ino))
+      var st = stat(a)
+      // An open-unlinked file's attributes are not cached.
+      _ = fuse_reply_attr(req, &st, a.linkCount == 0 ? 0 : options.attrTimeout)
+    }
+  }
+
+  func setattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ attr: UnsafeMutablePointer<stat>?, _ toSet: Int32,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    run(req) {
+      guard let a = attr?.pointee else { throw UbiqError.invalidArgument("no attributes") }
+      var u = AttributeUpdate()
+      if toSet & FUSE_SET_ATTR_MODE != 0 { u.mode = a.st_mode }
+      if toSet & FUSE_SET_ATTR_UID != 0 { u.uid = a.st_uid }
+      if toSet & FUSE_SET_ATTR_GID != 0 { u.gid = a.st_gid }
+      if toSet & FUSE_SET_ATTR_ATIME_NOW != 0 {
+        u.atime = .now
+      } else if toSet & FUSE_SET_ATTR_ATIME != 0 {
+        u.atime = .at(try FileTime.nanoseconds(a.st_atim))
+      }
+      if toSet & FUSE_SET_ATTR_MTIME_NOW != 0 {
+        u.mtime = .now
+      } else if toSet & FUSE_SET_ATTR_MTIME != 0 {
+        u.mtime = .at(try FileTime.nanoseconds(a.st_mtim))
+      }
+      if toSet & FUSE_SET_ATTR_SIZE != 0 { u.size = Int64(a.st_size) }
+      let result = try core.setattr(Int64(ino), u, handle: fi?.pointee.fh)
+      var st = stat(result)
+      _ = fuse_reply_attr(req, &st, options.attrTimeout)
+    }
+  }
+
+  func mkdir(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t) {
+    run(req) {
+      replyEntry(req, try core.mkdir(parent: Int64(parent), name: try name(namePtr), mode: mode, caller: caller(req)))
+    }
+  }
+
+  func mknod(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t) {
+    run(req) {
+      replyEntry(req, try core.mknod(parent: Int64(parent), name: try name(namePtr), mode: mode, caller: caller(req)))
+    }
+  }
+
+  func symlink(
+    _ req: fuse_req_t?, _ link: UnsafePointer<CChar>?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?
+  ) {
+    run(req) {
+      let a = try core.symlink(
+        parent: Int64(parent), name: try name(namePtr), target: try name(link), caller: caller(req))
+      replyEntry(req, a)
+    }
+  }
+
+  func readlink(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
+    run(req) { _ = fuse_reply_readlink(req, try core.readlink(Int64(ino))) }
+  }
+
+  func remove(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, directory: Bool) {
+    run(req) {
+      let n = try name(namePtr)
+      if directory {
+        try core.rmdir(parent: Int64(parent), name: n)
+      } else {
+        try core.unlink(parent: Int64(parent), name: n)
+      }
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func rename(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ newParent: fuse_ino_t,
+    _ newNamePtr: UnsafePointer<CChar>?, _ flags: UInt32
+  ) {
+    run(req) {
+      try core.rename(
+        parent: Int64(parent), name: try name(namePtr), newParent: Int64(newParent), newName: try name(newNamePtr),
+        flags: RenameFlags(rawValue: flags))
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func link(_ req: fuse_req_t?) {
+    run(req) { try core.link() }
+  }
+
+  // MARK: - directories
+
+  /// Lets the kernel cache the listing (and keep it across opens): local changes go through the
+  /// kernel, which drops it itself; remote ones drop it with an inode invalidation of the parent.
+  func opendir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    run(req) {
+      try core.opendir(Int64(ino))
+      if let fi {
+        ubiq_fi_set_cache_readdir(fi, 1)
+        ubiq_fi_set_keep_cache(fi, 1)
+      }
+      _ = fuse_reply_open(req, fi)
+    }
+  }
+
+  func readdir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int, _ off: off_t, plus: Bool) {
+    run(req) {
+      var buf = [CChar](repeating: 0, count: size)
+      var used = 0
+      // Fetch about as many rows as fit in the kernel's buffer (often one page).
+      let batch = size / (plus ? 120 : 24) + 1
+      try core.readdir(Int64(ino), offset: Int64(off), batch: batch) { d in
+        let remaining = size - used
+        let need: Int = buf.withUnsafeMutableBufferPointer { b in
+          if plus {
+            var e = entry(d.attributes)
+            if d.name == "." || d.name == ".." {
+              // Not looked up: the kernel must not take a reference on these.
+              e = fuse_entry_param()
+              e.attr = stat(d.attributes)
+            }
+            return fuse_add_direntry_plus(req, b.baseAddress! + used, remaining, d.name, &e, off_t(d.nextOffset))
+          }
+          var st = stat(d.attributes)
+          return fuse_add_direntry(req, b.baseAddress! + used, remaining, d.name, &st, off_t(d.nextOffset))
+        }
+        if need > remaining { return false }
+        used += need
+        return true
+      }
+      buf.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, b.baseAddress, used) }
+    }
+  }
+
+  // MARK: - files
+
+  func open(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    run(req) {
+      let opened = try core.open(Int64(ino), flags: fi?.pointee.flags ?? 0, caller: caller(req))
+      replyOpen(req, fi, opened)
+    }
+  }
+
+  func create(
+    _ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ mode: mode_t,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    run(req) {
+      let (a, opened) = try core.create(
+        parent: Int64(parent), name: try name(namePtr), mode: mode, caller: caller(req))
+      if let fi {
+        fi.pointee.fh = opened.handle
+        ubiq_fi_set_keep_cache(fi, opened.keepCache ? 1 : 0)
+      }
+      var e = entry(a)
+      _ = fuse_reply_create(req, &e, fi)
+    }
+  }
+
+  func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    run(req) {
+      let fd = try core.prepareRead(fh, offset: Int64(off), size: size)
+      _ = ubiq_reply_fd(req, fd, size, off)
+      core.didRead(fh)
+    }
+  }
+
+  func write(
+    _ req: fuse_req_t?, _ buf: UnsafePointer<CChar>?, _ size: Int, _ off: off_t,
+    _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    run(req) {
+      let n = try core.write(fh, UnsafeRawBufferPointer(start: buf, count: size), offset: Int64(off))
+      _ = fuse_reply_write(req, n)
+    }
+  }
+
+  func flush(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    run(req) {
+      try core.flush(fh)
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func fsync(_ req: fuse_req_t?, _ datasync: Int32, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    run(req) {
+      try core.fsync(fh, dataOnly: datasync != 0)
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func fsyncdir(_ req: fuse_req_t?, _ ino: fuse_ino_t) {
+    run(req) {
+      try core.fsyncDirectory(Int64(ino))
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func release(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
+    if let fh = fi?.pointee.fh { core.release(fh) }
+    _ = fuse_reply_err(req, 0)
+  }
+
+  func fallocate(
+    _ req: fuse_req_t?, _ mode: Int32, _ off: off_t, _ len: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?
+  ) {
+    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    run(req) {
+      try core.fallocate(fh, mode: mode, offset: Int64(off), length: Int64(len))
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func statfs(_ req: fuse_req_t?) {
+    run(req) {
+      var sv = try core.statfs()
+      _ = fuse_reply_statfs(req, &sv)
+    }
+  }
+
+  // MARK: - extended attributes
+
+  func replyXattr(_ req: fuse_req_t?, _ answer: XattrAnswer) {
+    switch answer {
+    case .size(let n): _ = fuse_reply_xattr(req, n)
+    case .value(let data):
+      data.withUnsafeBytes { raw in
+        _ = fuse_reply_buf(req, raw.baseAddress?.assumingMemoryBound(to: CChar.self), raw.count)
+      }
+    }
+  }
+
+  func getxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ size: Int) {
+    run(req) { replyXattr(req, try core.getxattr(Int64(ino), name: try name(namePtr), size: size)) }
+  }
+
+  func listxattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ size: Int) {
+    run(req) { replyXattr(req, try core.listxattr(Int64(ino), size: size)) }
+  }
+
+  func setxattr(
+    _ req: fuse_req_t?, _ ino: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?, _ value: UnsafePointer<CChar>?,
+    _ size: Int, _ flags: Int32
+  ) {
+    run(req) {
+      let data = value.map { Data(bytes: $0, count: size) } ?? Data()
+      try core.setxattr(Int64(ino), name: try name(namePtr), value: data, flags: XattrFlags(rawValue: flags))
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+
+  func removexattr(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?) {
+    run(req) {
+      try core.removexattr(Int64(ino), name: try name(namePtr))
+      _ = fuse_reply_err(req, 0)
+    }
+  }
+}

@@ -1,0 +1,141 @@
+import Foundation
+import UbiqCore
+import UbiqIndex
+import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+extension FilesystemCore {
+  /// Called (under the inode lock) right after a remote version replaced the cached content.
+  public func contentReplaced(_ inode: Int64) { pageEpochs.contentReplaced(inode) }
+
+  /// Drops replaced or deleted local content and tells the kernel what changed remotely.
+  public func remoteChangesApplied(_ results: [RemoteApplyResult]) {
+    for r in results {
+      guard let inode = r.inode else { continue }
+      switch r.outcome {
+      case .unchanged, .deferred, .locallyModified:
+        // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
+        continue
+      case .deleted:
+        if handles.liveState(inode) == nil { forgetContent(inode) }
+      default:
+        // Replaced content was already dropped under the inode lock by whoever applied the
+        // change (ChangePuller, UploadWorker); here only the kernel learns of it.
+        break
+      }
+      invalidate(inode, r.staleEntries)
+    }
+  }
+
+  /// Tells the kernel that attributes it may have cached changed outside its view.
+  public func attributesChanged(_ inode: Int64) { invalidateAttributes(inode) }
+
+  /// Evicts a file's local content if it is uploaded, not pinned and not open; EBUSY otherwise.
+  public func evict(_ inode: Int64) throws { try evict(try requireRow(inode)) }
+
+  func evict(_ row: ItemRow) throws {
+    guard row.kind == .file else { return }
+    let inode = row.id!
+    if row.content == .dataless { return }
+    try coordinator.withInodeLock(inode) {
+      if downloader?.isDownloading(inode) == true { throw UbiqError.busy("\(row.name) is being downloaded") }
+      if handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
+      if coordinator.isBusy(inode) { throw UbiqError.busy("\(row.name) has unflushed writes") }
+      if row.pinned { throw UbiqError.busy("\(row.name) is pinned") }
+      guard try index.markEvicted(inode) else {
+        throw UbiqError.busy("\(row.name) has changes not yet uploaded")
+      }
+      if row.size > 0 { cache.remove(inode) }
+    }
+    // Same bytes, different st_blocks: cached pages stay valid.
+    invalidateAttributes(inode)
+  }
+
+  /// Downloads a file's content into the cache (a no-op if it is there).
+  public func download(_ inode: Int64) throws {
+    let row = try requireRow(inode)
+    if row.kind == .file { try ensureContent(row) }
+  }
+
+  /// Evicts least-recently-used clean content until the cache fits its budget and the disk keeps
+  /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
+  @discardableResult
+  public func enforceCacheBudget() -> Int64 {
+    try? index.recordUse(handles.takeUses())
+    var freed: Int64 = 0
+    func overBudget() -> Bool {
+      var sv = statvfs()
+      let free = statvfs(cache.directory, &sv) == 0 ? Int64(sv.f_bavail) * Int64(sv.f_frsize) : Int64.max
+      let used = (try? index.cachedBytes()) ?? 0
+      return (options.cacheBudgetBytes > 0 && used > options.cacheBudgetBytes)
+        || (free < options.minFreeBytes && used > 0)
+    }
+    guard overBudget(), let candidates = try? index.evictionCandidates(limit: 500) else { return 0 }
+    for row in candidates {
+      if handles.liveState(row.id!) != nil || coordinator.isBusy(row.id!) { continue }
+      if (try? evict(row)) != nil {
+        freed += row.size
+        log.debug("cache budget: evicted \(row.name) (\(row.size) bytes)")
+      }
+      if !overBudget() { break }
+    }
+    return freed
+  }
+
+  /// Records writes that were in the cache file but not in the index when the daemon stopped
+  /// (a crash while a handle held unflushed writes, or between a truncation and its record):
+  /// the size and mtime of the cache file become a new local revision, queued for upload. Runs
+  /// before the first pull and before the kernel sees the mount. Returns how many files were
+  /// recovered.
+  @discardableResult
+  public func recoverUnrecordedWrites() throws -> Int {
+    var recovered = 0
+    for inode in try index.dirtyContentItems() {
+      guard let row = try index.item(inode), row.kind == .file else {
+        try index.clearContentDirty(inode)
+        continue
+      }
+      var st = Glibc.stat()
+      guard lstat(cache.path(inode), &st) == 0 else {
+        log.warning("\(row.name): unflushed writes at the last stop, but the cache file is gone")
+        try index.clearContentDirty(inode)
+        continue
+      }
+      let mtime = (try? FileTime.nanoseconds(st.st_mtim)) ?? Clock.nowNs()
+      try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true)
+      log.warning("\(row.name): recorded \(st.st_size) bytes written before an unclean stop; queued for upload")
+      recovered += 1
+    }
+    return recovered
+  }
+
+  /// `user.ubiq.action`: download | evict.
+  func perform(action: String, on row: ItemRow) throws {
+    switch action {
+    case "download":
+      if row.kind == .file { try ensureContent(row) }
+    case "evict":
+      try evict(row)
+    default:
+      throw UbiqError.invalidArgument("user.ubiq.action takes 'download' or 'evict', not '\(action)'")
+    }
+  }
+
+  /// `user.ubiq.resolve` = current | VERSION: resolves an item's conflict versions.
+  func resolve(_ row: ItemRow, keep: String) throws {
+    guard row.kind == .file else { throw UbiqError.invalidArgument("only files have versions") }
+    guard !keep.isEmpty else { throw UbiqError.invalidArgument("user.ubiq.resolve takes 'current' or a version id") }
+    let inode = row.id!
+    try coordinator.withInodeLock(inode) {
+      if keep != "current" && handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
+      if try index.resolveConflicts(inode, keep: keep == "current" ? nil : keep) {
+        cache.remove(inode)
+      }
+    }
+    onQueued()
+    invalidate(inode, [])
+  }
+}

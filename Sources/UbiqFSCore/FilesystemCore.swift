@@ -1,0 +1,551 @@
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The POSIX filesystem of one mounted container, without FUSE: typed requests in, typed
+/// results or a `UbiqError` (which carries the errno) out. Answers from the local index
+/// (metadata) and the content cache (file bytes); records every change in the index and its
+/// durable upload queue; never waits on the network for metadata.
+///
+/// Concurrency: called on many threads at once (the FUSE adapter's worker pool, tests). Each
+/// piece of shared state has one owner with its own lock: `HandleTable` (open handles and
+/// per-inode live state), `WriteCoordinator` (generations, writers, the per-inode lock that
+/// orders content transitions), `Downloader` (running downloads), `PageCacheEpochs`; the index
+/// serializes its own writes. Content transitions of one inode (open, truncate, first write,
+/// flush, evict, remote replacement, download completion) run under that inode's lock.
+public final class FilesystemCore: @unchecked Sendable {
+  public let index: IndexStore
+  public let cache: ContentCache
+  public let coordinator: WriteCoordinator
+  public let container: ContainerID
+  public let options: MountOptions
+  let log: Logger
+  let handles = HandleTable()
+  /// Fetches evicted content; nil means content can never be downloaded.
+  public var downloader: Downloader?
+  /// Tells the kernel to forget cached attributes/pages of an inode and cached (parent, name)
+  /// entries. Set by the FUSE session.
+  public var invalidate: (_ inode: Int64?, _ entries: [(Int64, String)]) -> Void = { _, _ in }
+  /// Tells the kernel to forget cached attributes of an inode, keeping its pages.
+  public var invalidateAttributes: (Int64) -> Void = { _ in }
+  /// Called after something was queued for upload.
+  var onQueued: () -> Void = {}
+  /// Percent uploaded of an item whose upload is in flight.
+  public var uploadPercent: (Int64) -> Int? = { _ in nil }
+  let xattrSnapshots = XattrSnapshots()
+  let pageEpochs = PageCacheEpochs()
+
+  /// The largest file ubiqfs stores (16 TiB, ext4's limit); larger sizes get EFBIG.
+  public static let maxFileSize: Int64 = 1 << 44
+
+  public init(
+    index: IndexStore, cache: ContentCache, coordinator: WriteCoordinator, container: ContainerID,
+    options: MountOptions, logger: Logger, onQueued: @escaping () -> Void
+  ) {
+    self.index = index
+    self.cache = cache
+    self.coordinator = coordinator
+    self.container = container
+    self.options = options
+    self.log = logger
+    self.onQueued = onQueued
+  }
+
+  // MARK: - helpers
+
+  /// Validates a name from the kernel (ENAMETOOLONG beyond 255 bytes).
+  func checkName(_ n: String) throws {
+    if n.utf8.count > ItemName.maxBytes { throw UbiqError.nameTooLong(n) }
+  }
+
+  func requireRow(_ inode: Int64) throws -> ItemRow {
+    guard let row = try index.item(inode) else { throw UbiqError.notFound("inode \(inode)") }
+    return row
+  }
+
+  func attributes(for row: ItemRow) -> FileAttributes {
+    let ino = row.id!
+    var size = row.size
+    var mtime = row.mtimeNs
+    if row.kind == .file, let live = handles.liveState(ino) {
+      if live.anyFD >= 0 {
+        var fst = Glibc.stat()
+        if fstat(live.anyFD, &fst) == 0 { size = Int64(fst.st_size) }
+      }
+      if let m = live.pendingMtimeNs { mtime = m }
+    }
+    var links = 1
+    if row.kind == .directory {
+      size = 4096
+      links = 2 + ((try? index.subdirectoryCount(ino)) ?? 0)
+    }
+    // An evicted file keeps its size but occupies nothing locally.
+    let blocks = (row.kind == .file && row.content == .dataless) ? 0 : (size + 511) / 512
+    return FileAttributes(
+      inode: ino, kind: row.kind, mode: row.mode & 0o7777, linkCount: links, uid: row.uid, gid: row.gid, size: size,
+      blocks: blocks, atimeNs: row.atimeNs, mtimeNs: mtime, ctimeNs: max(row.ctimeNs, mtime))
+  }
+
+  /// The command name (/proc/PID/comm, at most 15 bytes) of a process.
+  func programName(_ pid: Int32) -> String? {
+    guard pid > 0, let comm = try? String(contentsOfFile: "/proc/\(pid)/comm", encoding: .utf8) else { return nil }
+    let name = comm.trimmingCharacters(in: .whitespacesAndNewlines)
+    // comm is truncated to 15 bytes: match configured names by the same prefix.
+    return options.noDownloadPrograms.first { String($0.utf8.prefix(15)) == name } ?? name
+  }
+
+  // MARK: - namespace
+
+  /// The attributes of `name` in `parent`, or nil if there is none (a negative entry).
+  public func lookup(parent: Int64, name: String) throws -> FileAttributes? {
+    try checkName(name)
+    guard let row = try index.child(of: parent, named: name) else { return nil }
+    return attributes(for: row)
+  }
+
+  public func getattr(_ inode: Int64) throws -> FileAttributes {
+    if let row = try index.item(inode) { return attributes(for: row) }
+    // An open file that was unlinked.
+    if let live = handles.liveState(inode), let o = live.orphan {
+      var size: Int64 = 0
+      var st = Glibc.stat()
+      if live.anyFD >= 0, fstat(live.anyFD, &st) == 0 { size = Int64(st.st_size) }
+      let mtime = live.pendingMtimeNs ?? o.mtimeNs
+      return FileAttributes(
+        inode: inode, kind: .file, mode: o.mode & 0o7777, linkCount: 0, uid: o.uid, gid: o.gid, size: size,
+        blocks: (size + 511) / 512, atimeNs: o.mtimeNs, mtimeNs: mtime, ctimeNs: mtime)
+    }
+    throw UbiqError.notFound("inode \(inode)")
+  }
+
+  public func setattr(_ inode: Int64, _ update: AttributeUpdate, handle: UInt64? = nil) throws -> FileAttributes {
+    var c = AttributeChanges()
+    let now = Clock.nowNs()
+    c.mode = update.mode
+    c.uid = update.uid
+    c.gid = update.gid
+    switch update.atime {
+    case .now: c.atimeNs = now
+    case .at(let t): c.atimeNs = t
+    case nil: break
+    }
+    switch update.mtime {
+    case .now: c.mtimeNs = now
+    case .at(let t): c.mtimeNs = t
+    case nil: break
+    }
+    // An explicit mtime (cp -p, touch) replaces the time of earlier writes.
+    if c.mtimeNs != nil { handles.setPendingMtime(inode, nil) }
+    if let size = update.size {
+      let row = try requireRow(inode)
+      if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
+      if row.kind != .file { throw UbiqError.invalidArgument("not a regular file") }
+      guard size >= 0 else { throw UbiqError.invalidArgument("negative size") }
+      guard size <= Self.maxFileSize else { throw UbiqError.fileTooLarge("\(size) bytes") }
+      if row.content == .dataless && size != 0 { try ensureContent(row) }
+      let open = handle.flatMap { handles.get($0) }
+      try coordinator.withInodeLock(inode) {
+        try truncateContent(inode, to: size, through: open?.fd)
+      }
+      c.size = size
+      if c.mtimeNs == nil { c.mtimeNs = now }
+      handles.setPendingMtime(inode, nil)
+    }
+    _ = try index.setAttributes(inode, c)
+    if c.syncs { onQueued() }
+    return attributes(for: try requireRow(inode))
+  }
+
+  /// Sets the content of `inode` to its first `size` bytes, outside any handle's writes. Runs
+  /// under the inode lock. The dirty mark goes first, so a crash between the truncation and the
+  /// index update is repaired at the next mount; a download of the previous version stops
+  /// before the truncation, so no old byte lands after it.
+  func truncateContent(_ inode: Int64, to size: Int64, through fd: Int32?) throws {
+    try index.markContentDirty(inode)
+    downloader?.supersede(inode)
+    let cacheFD = try fd ?? cache.open(inode, create: true)
+    defer { if fd == nil { close(cacheFD) } }
+    coordinator.noteReplaced(inode)
+    if ftruncate(cacheFD, off_t(size)) != 0 { throw UbiqError.posix(errno, "truncate") }
+    try index.recordContentChange(
+      inode, size: size, mtimeNs: Clock.nowNs(), clean: coordinator.dirtyHandleCount(inode) == 0)
+    onQueued()
+  }
+
+  func makeItem(
+    parent: Int64, name: String, kind: ItemKind, mode: UInt32, caller: Caller, target: String? = nil
+  ) throws -> ItemRow {
+    try checkName(name)
+    let row = try index.create(
+      parent: parent, name: name, kind: kind, mode: mode & 0o7777, uid: caller.uid, gid: caller.gid,
+      symlinkTarget: target)
+    onQueued()
+    return row
+  }
+
+  public func mkdir(parent: Int64, name: String, mode: UInt32, caller: Caller) throws -> FileAttributes {
+    attributes(for: try makeItem(parent: parent, name: name, kind: .directory, mode: mode, caller: caller))
+  }
+
+  /// `mode` includes the file type bits; only regular files can be made this way.
+  public func mknod(parent: Int64, name: String, mode: UInt32, caller: Caller) throws -> FileAttributes {
+    guard mode & S_IFMT == S_IFREG else {
+      throw UbiqError.notPermitted("only regular files, directories and symlinks can be stored")
+    }
+    let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
+    close(try cache.open(row.id!, create: true))
+    return attributes(for: row)
+  }
+
+  public func symlink(parent: Int64, name: String, target: String, caller: Caller) throws -> FileAttributes {
+    if target.isEmpty || target.utf8.count > 4095 { throw UbiqError.invalidArgument("bad symlink target") }
+    return attributes(
+      for: try makeItem(parent: parent, name: name, kind: .symlink, mode: 0o777, caller: caller, target: target))
+  }
+
+  public func readlink(_ inode: Int64) throws -> String {
+    let row = try requireRow(inode)
+    guard row.kind == .symlink, let t = row.symlinkTarget else { throw UbiqError.invalidArgument("not a symlink") }
+    return t
+  }
+
+  public func unlink(parent: Int64, name: String) throws { try remove(parent: parent, name: name, directory: false) }
+  public func rmdir(parent: Int64, name: String) throws { try remove(parent: parent, name: name, directory: true) }
+
+  func remove(parent: Int64, name: String, directory: Bool) throws {
+    try checkName(name)
+    let row = try index.remove(parent: parent, name: name, directory: directory)
+    dispose(row)
+    onQueued()
+  }
+
+  /// Drops the local content of a row that left the namespace (now, or at its last release).
+  func dispose(_ row: ItemRow) {
+    guard let inode = row.id, row.kind == .file else { return }
+    let snap = ItemSnapshot(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs)
+    if !handles.markUnlinked(inode, orphan: snap) { forgetContent(inode) }
+  }
+
+  /// An item is gone for good (inodes are never reused): its download, cache file and
+  /// per-inode state go.
+  func forgetContent(_ inode: Int64) {
+    downloader?.supersede(inode)
+    cache.remove(inode)
+    coordinator.forget(inode)
+    pageEpochs.forget(inode)
+  }
+
+  public func rename(parent: Int64, name: String, newParent: Int64, newName: String, flags: RenameFlags) throws {
+    try checkName(name)
+    try checkName(newName)
+    let mode: IndexStore.RenameMode
+    if flags == .exchange {
+      mode = .exchange
+    } else if flags == .noReplace {
+      mode = .noReplace
+    } else if flags.isEmpty {
+      mode = .replace
+    } else {
+      throw UbiqError.invalidArgument("unsupported rename flags \(flags.rawValue)")
+    }
+    if mode == .exchange, try index.child(of: newParent, named: newName) == nil {
+      throw UbiqError.notFound(newName)
+    }
+    let result = try index.rename(parent: parent, name: name, newParent: newParent, newName: newName, mode: mode)
+    if let replaced = result.replaced { dispose(replaced) }
+    onQueued()
+  }
+
+  /// Hard links have no equivalent in the cloud model; tools (git, rsync) fall back to copies.
+  public func link() throws -> Never { throw UbiqError.notPermitted("hard links are not supported") }
+
+  // MARK: - directories
+
+  public func opendir(_ inode: Int64) throws {
+    let dir = try requireRow(inode)
+    guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
+  }
+
+  /// Lists `inode` from cursor `offset` (0 at the start), calling `add` for each entry until it
+  /// returns false (the reply buffer is full). Offsets: 1 = ".", 2 = "..", then 2 + child inode,
+  /// a cursor that stays valid while the directory changes.
+  public func readdir(_ inode: Int64, offset: Int64, batch: Int = 256, _ add: (DirectoryEntry) -> Bool) throws {
+    let dir = try requireRow(inode)
+    guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
+    var offset = offset
+    if offset < 1 {
+      var a = attributes(for: dir)
+      a.inode = inode
+      if !add(DirectoryEntry(name: ".", attributes: a, nextOffset: 1)) { return }
+      offset = 1
+    }
+    if offset < 2 {
+      var a = attributes(for: dir)
+      a.inode = dir.parent ?? inode
+      if !add(DirectoryEntry(name: "..", attributes: a, nextOffset: 2)) { return }
+      offset = 2
+    }
+    var after = offset - 2
+    while true {
+      let rows = try index.children(of: inode, after: after, limit: max(16, min(1024, batch)))
+      if rows.isEmpty { return }
+      for row in rows {
+        if !add(DirectoryEntry(name: row.name, attributes: attributes(for: row), nextOffset: row.id! + 2)) { return }
+        after = row.id!
+      }
+    }
+  }
+
+  // MARK: - files
+
+  public func open(_ inode: Int64, flags: Int32, caller: Caller) throws -> OpenedFile {
+    let row = try requireRow(inode)
+    if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
+    let writable = flags & O_ACCMODE != O_RDONLY
+    if row.content == .dataless, let who = programName(caller.pid), options.noDownloadPrograms.contains(who) {
+      log.info("refused download of \(row.name) for \(who) (no-download program)")
+      throw UbiqError.accessDenied("\(who) may not download content")
+    }
+    // The handle is registered under the inode lock, so an eviction (which takes the same
+    // lock) either ran before this open or sees the handle and refuses.
+    let h = try coordinator.withInodeLock(inode) { () throws -> UInt64 in
+      let (fd, stream) = try openCacheFile(inode, flags: flags)
+      let file = OpenFile(inode: inode, fd: fd, writable: writable, epoch: pageEpochs.current(inode))
+      file.stream = stream
+      return handles.add(file)
+    }
+    handles.noteUse(inode)
+    // Local writes go through the kernel's page cache, so cached pages stay valid, unless the
+    // content was replaced remotely since (see PageCacheEpochs).
+    return OpenedFile(handle: h, keepCache: pageEpochs.mayKeepPages(inode))
+  }
+
+  /// Opens the cache file of `inode` for a new handle, under the inode lock: truncated for
+  /// O_TRUNC, downloaded first for writers, streamed (the returned download) for readers of
+  /// evicted content.
+  func openCacheFile(_ inode: Int64, flags: Int32) throws -> (Int32, ContentStream?) {
+    let current = try requireRow(inode)
+    let writable = flags & O_ACCMODE != O_RDONLY
+    if writable && flags & O_TRUNC != 0 {
+      // Replaced whole: the old content is never needed (works offline, downloads nothing).
+      let fd = try cache.open(inode, create: true)
+      do {
+        if current.size != 0 || current.content == .dataless {
+          try truncateContent(inode, to: 0, through: fd)
+          handles.setPendingMtime(inode, nil)
+        }
+      } catch {
+        close(fd)
+        throw error
+      }
+      coordinator.noteWriterOpened(inode)
+      return (fd, nil)
+    }
+    var stream: ContentStream?
+    if current.content == .dataless && !writable, let downloader {
+      // Read-only: return now; each read waits only for its own range.
+      stream = try downloader.stream(inode)
+    } else {
+      try ensureContent(current)
+    }
+    let fd = try cache.open(inode, create: false)
+    if writable { coordinator.noteWriterOpened(inode) }
+    return (fd, stream)
+  }
+
+  /// Makes sure the content of a file is in the cache (downloads evicted content).
+  func ensureContent(_ row: ItemRow) throws {
+    if row.content == .cached {
+      guard !cache.exists(row.id!) else { return }
+      // No cache file: an empty file (created remotely), or lost local bytes (a crash, a hand
+      // removal). Content the cloud has is downloaded again rather than shown empty.
+      if row.size == 0 {
+        close(try cache.open(row.id!, create: true))
+        return
+      }
+      guard downloader != nil, try index.markContentMissing(row.id!) else {
+        // Never an empty file in its place: that would be uploaded over the cloud's copy.
+        log.error("cache file of \(row.name) is gone and its last changes never reached the cloud")
+        throw UbiqError.io("the local content of \(row.name) is lost")
+      }
+      log.warning("cache file of \(row.name) was missing; downloading it again")
+    }
+    guard let downloader else { throw UbiqError.io("content of \(row.name) is not downloaded") }
+    do {
+      try downloader.ensureCached(row.id!)
+    } catch let e as UbiqError {
+      throw e
+    } catch let e as CloudError {
+      log.warning("download of \(row.name) failed: \(e)")
+      throw UbiqError.io("download of \(row.name) failed: \(e)")
+    }
+  }
+
+  /// Creates and opens a regular file (O_CREAT with O_EXCL semantics: the kernel only asks when
+  /// the name is free).
+  public func create(parent: Int64, name: String, mode: UInt32, caller: Caller) throws -> (
+    FileAttributes, OpenedFile
+  ) {
+    let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
+    let fd = try cache.open(row.id!, create: true)
+    _ = ftruncate(fd, 0)
+    coordinator.noteWriterOpened(row.id!)
+    let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: true))
+    return (attributes(for: row), OpenedFile(handle: h, keepCache: true))
+  }
+
+  func openHandle(_ handle: UInt64) throws -> OpenFile {
+    guard let f = handles.get(handle) else { throw UbiqError.invalidArgument("bad file handle \(handle)") }
+    return f
+  }
+
+  /// Waits until [offset, offset+size) of the handle's file is present and returns the cache
+  /// file descriptor to read it from. `didRead` must follow the read.
+  public func prepareRead(_ handle: UInt64, offset: Int64, size: Int) throws -> Int32 {
+    let f = try openHandle(handle)
+    // `stream` is set once at open and never changed, so reading it here is race-free.
+    if let s = f.stream, !(s.finished && s.failed == nil) {
+      try s.waitForRange(offset, size, timeoutNs: downloader?.stallTimeoutNs ?? 15_000_000_000)
+    }
+    return f.fd
+  }
+
+  /// A read through `handle` was answered (see `PageCacheEpochs`).
+  public func didRead(_ handle: UInt64) {
+    guard let f = handles.get(handle) else { return }
+    pageEpochs.noteRead(f.inode, openedIn: f.epoch)
+  }
+
+  /// Reads bytes through a handle (tests and tools; the FUSE adapter splices from the descriptor).
+  public func read(_ handle: UInt64, offset: Int64, size: Int) throws -> Data {
+    let fd = try prepareRead(handle, offset: offset, size: size)
+    var data = Data(count: size)
+    let n = data.withUnsafeMutableBytes { raw -> Int in
+      var done = 0
+      while done < size {
+        let r = pread(fd, raw.baseAddress! + done, size - done, off_t(offset) + off_t(done))
+        if r < 0 && errno == EINTR { continue }
+        if r <= 0 { return r < 0 && done == 0 ? -1 : done }
+        done += r
+      }
+      return done
+    }
+    if n < 0 { throw UbiqError.posix(errno, "read") }
+    didRead(handle)
+    return data.prefix(n)
+  }
+
+  public func write(_ handle: UInt64, _ bytes: UnsafeRawBufferPointer, offset: Int64) throws -> Int {
+    let f = try openHandle(handle)
+    let (end, overflow) = offset.addingReportingOverflow(Int64(bytes.count))
+    guard offset >= 0, !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("write past 16 TiB") }
+    try beginWrite(f)
+    var done = 0
+    while done < bytes.count {
+      let n = pwrite(f.fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
+      if n < 0 {
+        if errno == EINTR { continue }
+        throw UbiqError.posix(errno, "write")
+      }
+      done += n
+    }
+    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+    return done
+  }
+
+  /// Called before a write through `f` changes the cache file. The generation moves first, so
+  /// an upload snapshot taken before it is thrown away and one taken after it waits. A handle's
+  /// first write since its last flush leaves a durable mark in the index, so a crash before the
+  /// flush is found at the next mount and the bytes are recorded and uploaded.
+  func beginWrite(_ f: OpenFile) throws {
+    if f.dirty {
+      coordinator.noteWrite(f.inode, handleWasClean: false)
+      return
+    }
+    try coordinator.withInodeLock(f.inode) {
+      if f.dirty {
+        coordinator.noteWrite(f.inode, handleWasClean: false)
+        return
+      }
+      try index.markContentDirty(f.inode)
+      coordinator.noteWrite(f.inode, handleWasClean: true)
+      f.dirty = true
+    }
+  }
+
+  /// Records the handle's writes in the index and queues the upload.
+  func persist(_ f: OpenFile) throws {
+    guard f.dirty else { return }
+    var st = Glibc.stat()
+    if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
+    // nil: the mtime was set explicitly after the last write; keep it.
+    let mtime = handles.takePendingMtime(f.inode)
+    try coordinator.withInodeLock(f.inode) {
+      // The last dirty handle clears the durable mark in the same transaction.
+      let clean = coordinator.dirtyHandleCount(f.inode) <= 1
+      try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
+      f.dirty = false
+      coordinator.noteFlushed(f.inode)
+    }
+    onQueued()
+  }
+
+  public func flush(_ handle: UInt64) throws { try persist(try openHandle(handle)) }
+
+  public func fsync(_ handle: UInt64, dataOnly: Bool) throws {
+    let f = try openHandle(handle)
+    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
+    try persist(f)
+    try index.makeDurable()
+  }
+
+  /// The directory's entries are in the index: an fsync of it makes the index durable.
+  public func fsyncDirectory(_ inode: Int64) throws {
+    try opendir(inode)
+    try index.makeDurable()
+  }
+
+  public func release(_ handle: UInt64) {
+    guard let (f, last, unlinked) = handles.remove(handle) else { return }
+    do {
+      try persist(f)
+    } catch {
+      // The durable dirty mark stays: the bytes are recorded at the next flush of the file or
+      // the next mount. The handle no longer blocks uploads of the file.
+      log.error("release: recording the writes failed: \(error)")
+      if f.dirty { coordinator.noteFlushed(f.inode) }
+    }
+    close(f.fd)
+    if f.writable { coordinator.noteWriterClosed(f.inode) }
+    if last && unlinked { forgetContent(f.inode) }
+  }
+
+  public func fallocate(_ handle: UInt64, mode: Int32, offset: Int64, length: Int64) throws {
+    let f = try openHandle(handle)
+    guard mode == 0 else { throw UbiqError.notSupported("fallocate mode \(mode)") }
+    let (end, overflow) = offset.addingReportingOverflow(length)
+    guard offset >= 0, length > 0 else { throw UbiqError.invalidArgument("fallocate range") }
+    guard !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("fallocate past 16 TiB") }
+    try beginWrite(f)
+    let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
+    if r != 0 { throw UbiqError.posix(r, "fallocate") }
+    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+  }
+
+  public func statfs() throws -> statvfs {
+    var sv = statvfs()
+    if statvfs(cache.directory, &sv) != 0 { throw UbiqError.posix(errno, "statfs") }
+    sv.f_namemax = UInt(ItemName.maxBytes)
+    return sv
+  }
+
+  /// Open handles (for tests and status).
+  public var openHandleCount: Int { handles.openHandleCount }
+}

@@ -1,0 +1,159 @@
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+@testable import UbiqSync
+
+@testable import UbiqFSCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// One device's filesystem core over a real index, content cache and the embedded cloud engine,
+/// all in a temporary folder, driven in-process (no mount). `restart` drops every in-memory
+/// piece and builds them again from what is on disk, as a daemon restart after a crash would.
+final class CoreWorld: @unchecked Sendable {
+  let root: URL
+  let container = try! ContainerID("iCloud.com.example.core")
+  let cloud: CloudService
+  private(set) var index: IndexStore!
+  private(set) var core: FilesystemCore!
+  private(set) var worker: UploadWorker!
+  private(set) var downloader: Downloader!
+  private(set) var puller: ChangePuller!
+  let log: Logger
+
+  /// `cloud`: the cloud this device syncs with (default: a new embedded engine of its own).
+  init(cloud: CloudService? = nil, cloudDirectory: URL? = nil) throws {
+    root = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("ubiq-core-\(UUID().uuidString)")
+    try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
+    var log = Logger(label: "core-test")
+    log.logLevel = ProcessInfo.processInfo.environment["UBIQ_TEST_LOG"] != nil ? .debug : .critical
+    self.log = log
+    if let cloud {
+      self.cloud = cloud
+    } else {
+      self.cloud = try CloudEngine.embedded(directory: cloudDirectory ?? root.appendingPathComponent("cloud"))
+    }
+    try runBlocking { try await self.cloud.ensureContainer(self.container) }
+    try start()
+  }
+
+  deinit { try? FileManager.default.removeItem(at: root) }
+
+  /// Builds index, cache, core, uploader and downloader from the state folder.
+  func start() throws {
+    let state = root.appendingPathComponent("state")
+    try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
+    let index = try IndexStore(path: state.appendingPathComponent("index.sqlite").path)
+    index.uploadDelayNs = 0
+    try index.bootstrap(uid: getuid(), gid: getgid())
+    for id in [WellKnownItem.root, WellKnownItem.documents] {
+      guard let row = try index.item(itemID: id), row.etag == nil,
+        let remote = try runBlocking({ try await self.cloud.item(self.container, itemID: id) })
+      else { continue }
+      try index.pool.write { db in
+        try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [remote.etag, row.id!])
+      }
+    }
+    let cache = try ContentCache(directory: state.appendingPathComponent("content").path)
+    let coordinator = WriteCoordinator()
+    let core = FilesystemCore(
+      index: index, cache: cache, coordinator: coordinator, container: container, options: MountOptions(),
+      logger: log, onQueued: {})
+    try core.recoverUnrecordedWrites()
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    downloader.stallTimeoutNs = 5_000_000_000
+    core.downloader = downloader
+    worker = UploadWorker(
+      index: index, cache: cache, cloud: cloud, coordinator: coordinator, container: container,
+      deviceID: try index.deviceID(), logger: log)
+    puller = ChangePuller(
+      index: index, cache: cache, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(),
+      gid: getgid(), logger: log)
+    puller.onApplied = { core.remoteChangesApplied($0) }
+    puller.onContentReplaced = { core.contentReplaced($0) }
+    self.index = index
+    self.core = core
+    self.downloader = downloader
+  }
+
+  /// A crash: every handle is dropped without flush or release, and everything in memory goes.
+  func crashAndRestart() throws {
+    core = nil
+    worker = nil
+    downloader = nil
+    puller = nil
+    index = nil
+    try start()
+  }
+
+  /// Uploads everything queued (the upload delay is 0 here).
+  func drainUploads() throws {
+    for _ in 0..<50 {
+      let due = try index.dueQueue(now: Int64.max / 2, limit: 64)
+      if due.isEmpty { return }
+      let w = worker!
+      _ = try runBlocking { await w.drain(due) }
+    }
+    throw UbiqError.busy("the upload queue does not drain")
+  }
+
+  /// Applies every remote change.
+  func pull() throws {
+    let p = puller!
+    _ = try runBlocking { try await p.pullOnce() }
+  }
+
+  // MARK: - paths
+
+  var documents: Int64 { try! index.item(itemID: WellKnownItem.documents)!.id! }
+
+  /// The inode of a path below Documents ("a/b"), or nil.
+  func inode(_ path: String) throws -> Int64? {
+    var cur = documents
+    for part in path.split(separator: "/") {
+      guard let a = try core.lookup(parent: cur, name: String(part)) else { return nil }
+      cur = a.inode
+    }
+    return cur
+  }
+
+  func parentAndName(_ path: String) throws -> (Int64, String) {
+    let parts = path.split(separator: "/").map(String.init)
+    let parentPath = parts.dropLast().joined(separator: "/")
+    guard let parent = try inode(parentPath) else { throw UbiqError.notFound(parentPath) }
+    return (parent, parts.last!)
+  }
+
+  // MARK: - whole-file helpers
+
+  @discardableResult
+  func writeFile(_ path: String, _ data: Data, at offset: Int64 = 0, truncate: Bool = true) throws -> Int64 {
+    let (parent, name) = try parentAndName(path)
+    let handle: UInt64
+    let inode: Int64
+    if let existing = try core.lookup(parent: parent, name: name) {
+      inode = existing.inode
+      handle = try core.open(inode, flags: O_WRONLY | (truncate ? O_TRUNC : 0), caller: .current).handle
+    } else {
+      let (a, opened) = try core.create(parent: parent, name: name, mode: 0o644, caller: .current)
+      inode = a.inode
+      handle = opened.handle
+    }
+    defer { core.release(handle) }
+    _ = try data.withUnsafeBytes { try core.write(handle, $0, offset: offset) }
+    try core.flush(handle)
+    return inode
+  }
+
+  func readFile(_ path: String) throws -> Data {
+    guard let inode = try inode(path) else { throw UbiqError.notFound(path) }
+    let size = try core.getattr(inode).size
+    let h = try core.open(inode, flags: O_RDONLY, caller: .current).handle
+    defer { core.release(h) }
+    return try core.read(h, offset: 0, size: Int(size))
+  }
+}

@@ -1,0 +1,235 @@
+import Foundation
+import Testing
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+import UbiqSync
+
+@testable import UbiqFSCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The filesystem core driven in-process: the data-safety rules, each through the same calls the
+/// FUSE adapter makes. Serialized: each test blocks its thread on async work (`runBlocking`),
+/// and Swift's cooperative pool has only as many threads as cores.
+@Suite(.serialized) struct FilesystemCoreTests {
+  func expectErrno(_ code: Int32, _ body: () throws -> Void, sourceLocation: SourceLocation = #_sourceLocation) {
+    do {
+      try body()
+      Issue.record("expected errno \(code), got success", sourceLocation: sourceLocation)
+    } catch let e as UbiqError {
+      #expect(e.errno == code, "got \(e)", sourceLocation: sourceLocation)
+    } catch {
+      Issue.record("expected errno \(code), got \(error)", sourceLocation: sourceLocation)
+    }
+  }
+
+  @Test func renameOverKeepsTheMovedFilesContentWhenEitherIsEvicted() throws {
+    for evict in [["d"], ["f"], ["d", "f"]] {
+      let w = try CoreWorld()
+      try w.writeFile("d", Data("draft\n".utf8))
+      try w.writeFile("f", Data("old\n".utf8))
+      try w.drainUploads()
+      for name in evict { try w.core.evict(try w.inode(name)!) }
+      try w.core.rename(parent: w.documents, name: "d", newParent: w.documents, newName: "f", flags: [])
+      #expect(try w.readFile("f") == Data("draft\n".utf8), "evicted: \(evict)")
+      #expect(try w.inode("d") == nil)
+      try w.drainUploads()
+      let row = try w.index.item(try w.inode("f")!)!
+      let cloudItem = try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }
+      #expect(cloudItem?.size == 6 && cloudItem?.chunks.first?.hash == Chunker.sha256Hex(Data("draft\n".utf8)))
+    }
+  }
+
+  @Test func exchangeOfFilesSwapsContentsAndKeepsEachPathsCloudItem() throws {
+    let w = try CoreWorld()
+    try w.writeFile("d", Data("draft\n".utf8))
+    try w.writeFile("f", Data("old\n".utf8))
+    try w.drainUploads()
+    let idAtF = try w.index.item(try w.inode("f")!)!.itemID
+    try w.core.evict(try w.inode("d")!)
+    try w.core.rename(parent: w.documents, name: "d", newParent: w.documents, newName: "f", flags: .exchange)
+    #expect(try w.readFile("f") == Data("draft\n".utf8))
+    #expect(try w.readFile("d") == Data("old\n".utf8))
+    #expect(try w.index.item(try w.inode("f")!)!.itemID == idAtF)
+    try w.drainUploads()
+    let atF = try runBlocking { try await w.cloud.item(w.container, itemID: idAtF) }
+    #expect(atF?.name == "f" && atF?.size == 6)
+  }
+
+  @Test func exchangeRefusesADirectoryBelowItself() throws {
+    let w = try CoreWorld()
+    let dir = try w.core.mkdir(parent: w.documents, name: "dir", mode: 0o755, caller: .current)
+    _ = try w.core.mkdir(parent: dir.inode, name: "sub", mode: 0o755, caller: .current)
+    expectErrno(EINVAL) {
+      try w.core.rename(parent: dir.inode, name: "sub", newParent: w.documents, newName: "dir", flags: .exchange)
+    }
+    expectErrno(ENOENT) {
+      try w.core.rename(parent: w.documents, name: "dir", newParent: w.documents, newName: "nope", flags: .exchange)
+    }
+  }
+
+  @Test func timesBefore1970AndTheLimitsOfNanoseconds() throws {
+    let w = try CoreWorld()
+    let ino = try w.writeFile("t", Data("x".utf8))
+    let a = try w.core.setattr(ino, AttributeUpdate(atime: .at(-1_500_000_000), mtime: .at(-14_182_939_500_000_000)))
+    #expect(a.atimeNs == -1_500_000_000 && a.mtimeNs == -14_182_939_500_000_000)
+    let ts = FileTime.timespec(-1_500_000_000)
+    #expect(ts.tv_sec == -2 && ts.tv_nsec == 500_000_000)
+    #expect(try FileTime.nanoseconds(ts) == -1_500_000_000)
+    // 2300-01-01 does not fit 64-bit nanoseconds: EOVERFLOW, never a trap.
+    expectErrno(EOVERFLOW) { _ = try FileTime.nanoseconds(timespec(tv_sec: 10_413_792_000, tv_nsec: 0)) }
+    expectErrno(EOVERFLOW) { _ = try FileTime.nanoseconds(timespec(tv_sec: Int.min, tv_nsec: 0)) }
+    expectErrno(EINVAL) { _ = try FileTime.nanoseconds(timespec(tv_sec: 0, tv_nsec: 1_000_000_000)) }
+  }
+
+  @Test func sizesPastTheLimitGetEFBIG() throws {
+    let w = try CoreWorld()
+    let ino = try w.writeFile("big", Data("x".utf8))
+    expectErrno(EFBIG) { _ = try w.core.setattr(ino, AttributeUpdate(size: FilesystemCore.maxFileSize + 1)) }
+    expectErrno(EINVAL) { _ = try w.core.setattr(ino, AttributeUpdate(size: -1)) }
+    let h = try w.core.open(ino, flags: O_WRONLY, caller: .current).handle
+    defer { w.core.release(h) }
+    expectErrno(EFBIG) { _ = try Data("y".utf8).withUnsafeBytes { try w.core.write(h, $0, offset: Int64.max - 1) } }
+  }
+
+  @Test func truncateWhileDownloadingLetsNoOldByteIn() throws {
+    let gate = GatedCloud()
+    let w = try CoreWorld(cloud: gate)
+    let old = Data((0..<(6 << 20)).map { UInt8(truncatingIfNeeded: $0 &* 7) })
+    let ino = try w.writeFile("big", old)
+    try w.drainUploads()
+    try w.core.evict(ino)
+    gate.hold()
+    // A reader starts the download, then the file is replaced whole (O_TRUNC) and rewritten.
+    let reader = try w.core.open(ino, flags: O_RDONLY, caller: .current).handle
+    let writer = try w.core.open(ino, flags: O_WRONLY | O_TRUNC, caller: .current).handle
+    _ = try Data("NEW\n".utf8).withUnsafeBytes { try w.core.write(writer, $0, offset: 0) }
+    try w.core.flush(writer)
+    gate.release()
+    // Old chunks arriving now must not land in the cache file.
+    Thread.sleep(forTimeInterval: 0.3)
+    #expect(try w.core.read(reader, offset: 0, size: 100) == Data("NEW\n".utf8))
+    w.core.release(reader)
+    w.core.release(writer)
+    #expect(try w.readFile("big") == Data("NEW\n".utf8))
+    #expect(try w.core.getattr(ino).size == 4)
+  }
+
+  @Test func unflushedWritesOfAnOpenHandleSurviveACrash() throws {
+    let w = try CoreWorld()
+    let data = Data(repeating: 0x5a, count: 300_000)
+    let (a, opened) = try w.core.create(parent: w.documents, name: "open.bin", mode: 0o644, caller: .current)
+    _ = try data.withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+    // The writes are not flushed (the upload waits for them). The daemon dies.
+    try w.crashAndRestart()
+    #expect(try w.core.getattr(a.inode).size == 300_000)
+    try w.drainUploads()
+    let row = try w.index.item(a.inode)!
+    #expect(row.revision == row.syncedRevision)
+    let item = try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }
+    #expect(item?.size == 300_000)
+    #expect(try w.readFile("open.bin") == data)
+  }
+
+  @Test func aLostCacheFileWithPendingChangesIsAnErrorNeverAnEmptyUpload() throws {
+    let w = try CoreWorld()
+    let ino = try w.writeFile("f", Data("uploaded\n".utf8))
+    try w.drainUploads()
+    try w.writeFile("f", Data("local edit\n".utf8))
+    unlink(w.core.cache.path(ino))
+    expectErrno(EIO) { _ = try w.core.open(ino, flags: O_RDONLY, caller: .current) }
+    try? w.drainUploads()
+    let row = try w.index.item(ino)!
+    let item = try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }
+    #expect(item?.size == 9, "the cloud keeps the last good version")
+  }
+
+  @Test func evictRefusesOpenAndUnflushedFiles() throws {
+    let w = try CoreWorld()
+    let ino = try w.writeFile("f", Data("x\n".utf8))
+    try w.drainUploads()
+    let h = try w.core.open(ino, flags: O_RDWR, caller: .current).handle
+    expectErrno(EBUSY) { try w.core.evict(ino) }
+    w.core.release(h)
+    try w.core.evict(ino)
+    #expect(try w.core.getattr(ino).blocks == 0)
+    #expect(try w.readFile("f") == Data("x\n".utf8))
+  }
+
+  @Test func unlinkedOpenFilesStayUsableUntilTheLastClose() throws {
+    let w = try CoreWorld()
+    let ino = try w.writeFile("f", Data("keep\n".utf8))
+    let h = try w.core.open(ino, flags: O_RDWR, caller: .current).handle
+    try w.core.unlink(parent: w.documents, name: "f")
+    #expect(try w.core.read(h, offset: 0, size: 5) == Data("keep\n".utf8))
+    _ = try Data("more\n".utf8).withUnsafeBytes { try w.core.write(h, $0, offset: 5) }
+    #expect(try w.core.read(h, offset: 0, size: 10) == Data("keep\nmore\n".utf8))
+    #expect(try w.core.getattr(ino).linkCount == 0)
+    w.core.release(h)
+    expectErrno(ENOENT) { _ = try w.core.getattr(ino) }
+    #expect(!w.core.cache.exists(ino))
+  }
+
+  @Test func directoryLinkCountCountsSubdirectories() throws {
+    let w = try CoreWorld()
+    let a = try w.core.mkdir(parent: w.documents, name: "a", mode: 0o755, caller: .current)
+    let b = try w.core.mkdir(parent: w.documents, name: "b", mode: 0o755, caller: .current)
+    _ = try w.core.mkdir(parent: b.inode, name: "sub", mode: 0o755, caller: .current)
+    #expect(try w.core.getattr(a.inode).linkCount == 2)
+    #expect(try w.core.getattr(b.inode).linkCount == 3)
+    try w.core.rename(parent: b.inode, name: "sub", newParent: a.inode, newName: "sub", flags: [])
+    #expect(try w.core.getattr(a.inode).linkCount == 3)
+    #expect(try w.core.getattr(b.inode).linkCount == 2)
+  }
+}
+
+/// The embedded cloud with a switch in front of chunk downloads: while held, `getChunk` waits,
+/// so a test can act while a download is in flight.
+final class GatedCloud: CloudService, @unchecked Sendable {
+  let inner: CloudService
+  private let lock = NSCondition()
+  private var held = false
+
+  init() {
+    let dir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("gated-\(UUID().uuidString)")
+    inner = try! CloudEngine.embedded(directory: dir)
+  }
+
+  func hold() { lock.withLock { held = true } }
+  func release() {
+    lock.withLock {
+      held = false
+      lock.broadcast()
+    }
+  }
+
+  func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
+    while lock.withLock({ held }) { try await Task.sleep(nanoseconds: 5_000_000) }
+    return try await inner.getChunk(hash: hash, range: range)
+  }
+
+  func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
+  func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
+  func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
+  func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
+    try await inner.putItem(container, item, ifMatch: ifMatch)
+  }
+  func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
+    -> CloudItem
+  {
+    try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+  }
+  func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
+    try await inner.item(container, itemID: itemID)
+  }
+  func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
+    try await inner.changes(container, since: since, limit: limit)
+  }
+  func usage() async throws -> Usage { try await inner.usage() }
+  func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
+    try await inner.waitForChanges(container, since: since, timeoutMs: timeoutMs)
+  }
+}

@@ -1,0 +1,194 @@
+"""Ordinary commands must never lose data: renames of evicted files, extreme timestamps,
+truncating a file while it downloads, and writes that were still open when the daemon died.
+Every test runs on real mounts of the real binary, against each cloud mode."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import Ubiq, ubiq_mounts
+from helpers import RENAME_EXCHANGE, RENAME_NOREPLACE, assert_errno, renameat2, sha256, sha256_file
+from test_devices_and_content import device2, wait_for  # noqa: F401  (device2 is a fixture)
+
+
+def _evicted_pair(ubiq, src_data: bytes, dst_data: bytes, evict: tuple[str, ...]):
+    src, dst = ubiq.docs / "d", ubiq.docs / "f"
+    src.write_bytes(src_data)
+    dst.write_bytes(dst_data)
+    ubiq.sync()
+    for name in evict:
+        ubiq.run("evict", ubiq.docs / name)
+        assert os.stat(ubiq.docs / name).st_blocks == 0
+    return src, dst
+
+
+@pytest.mark.parametrize("evict", [("d",), ("f",), ("d", "f")], ids=["src", "dst", "both"])
+def test_rename_over_keeps_the_moved_files_content(ubiq, device2, evict):
+    """`mv d f` with d or f evicted: f shows d's bytes, here, in the cloud and on device 2."""
+    src, dst = _evicted_pair(ubiq, b"draft\n", b"old\n", evict)
+    os.rename(src, dst)
+    assert dst.read_bytes() == b"draft\n"
+    assert not src.exists()
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(dst)) == b"draft\n"
+    wait_for(
+        lambda: not (device2.docs / "d").exists() and (device2.docs / "f").read_bytes() == b"draft\n",
+        timeout=15,
+        what="device 2 to show f = draft and no d",
+    )
+    ubiq.remount()
+    assert dst.read_bytes() == b"draft\n"
+
+
+@pytest.mark.parametrize("evict", [("d",), ("f",), ("d", "f")], ids=["src", "dst", "both"])
+def test_rename_exchange_of_evicted_files_swaps_contents(ubiq, device2, evict):
+    src, dst = _evicted_pair(ubiq, b"draft\n", b"old\n", evict)
+    renameat2(src, dst, RENAME_EXCHANGE)
+    assert src.read_bytes() == b"old\n" and dst.read_bytes() == b"draft\n"
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(dst)) == b"draft\n"
+    assert ubiq.cloud_content(ubiq.item_id(src)) == b"old\n"
+    try:
+        wait_for(
+            lambda: (device2.docs / "f").read_bytes() == b"draft\n" and (device2.docs / "d").read_bytes() == b"old\n",
+            timeout=15,
+            what="device 2 to show the exchanged contents",
+        )
+    except AssertionError:
+        shown = {p.name: p.read_bytes() for p in device2.docs.iterdir()}
+        raise AssertionError(f"device 2 shows {shown}")
+
+
+def test_rename_noreplace_of_evicted_file(ubiq):
+    src, dst = _evicted_pair(ubiq, b"draft\n", b"old\n", ("d",))
+    assert_errno(errno.EEXIST, renameat2, src, dst, RENAME_NOREPLACE)
+    renameat2(src, ubiq.docs / "g", RENAME_NOREPLACE)
+    assert (ubiq.docs / "g").read_bytes() == b"draft\n" and dst.read_bytes() == b"old\n"
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(ubiq.docs / "g")) == b"draft\n"
+
+
+def test_rename_exchange_checks_like_plain_rename(ubiq):
+    """EXCHANGE of a directory with a file is fine, but not of a directory into itself."""
+    d = ubiq.docs / "dir"
+    (d / "sub").mkdir(parents=True)
+    assert_errno(errno.EINVAL, renameat2, d, d / "sub", RENAME_EXCHANGE)
+    assert_errno(errno.ENOENT, renameat2, ubiq.docs / "missing", d, RENAME_EXCHANGE)
+    assert (d / "sub").is_dir()
+
+
+@pytest.mark.parametrize(
+    "when",
+    ["2300-01-01 00:00:00", "1969-07-20 20:17:40.5", "1901-12-14 00:00:00", "2262-04-11 23:47:16"],
+)
+def test_touch_with_extreme_dates_keeps_the_daemon_alive(ubiq, when):
+    """Any time the kernel passes is stored exactly or refused with EOVERFLOW; the daemon lives."""
+    f = ubiq.docs / "t.txt"
+    f.write_text("x\n")
+    cp = subprocess.run(["touch", "-d", when, str(f)], capture_output=True, text=True)
+    assert str(ubiq.mnt) in ubiq_mounts()
+    assert f.read_text() == "x\n", "the mount must still answer"
+    ref = ubiq.root / "ref"
+    ref.write_text("")
+    subprocess.run(["touch", "-d", when, str(ref)], check=True)
+    want = os.stat(ref).st_mtime_ns
+    if cp.returncode == 0:
+        assert os.stat(f).st_mtime_ns == want
+        ubiq.remount()
+        assert os.stat(f).st_mtime_ns == want
+    else:
+        assert "Value too large" in cp.stderr or "Invalid argument" in cp.stderr, cp.stderr
+
+
+def test_utime_omit_and_now(ubiq):
+    f = ubiq.docs / "u.txt"
+    f.write_text("x\n")
+    os.utime(f, ns=(-1_500_000_000, 1_000_000_000))
+    st = os.stat(f)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (-1_500_000_000, 1_000_000_000)
+    # UTIME_OMIT for atime, UTIME_NOW for mtime through utimensat.
+    import ctypes
+
+    class Timespec(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+    UTIME_NOW, UTIME_OMIT = (1 << 30) - 1, (1 << 30) - 2
+    libc = ctypes.CDLL(None, use_errno=True)
+    times = (Timespec * 2)(Timespec(0, UTIME_OMIT), Timespec(0, UTIME_NOW))
+    before = time.time_ns()
+    assert libc.utimensat(-100, os.fsencode(str(f)), times, 0) == 0, os.strerror(ctypes.get_errno())
+    st = os.stat(f)
+    assert st.st_atime_ns == -1_500_000_000
+    assert st.st_mtime_ns >= before - 2_000_000_000
+
+
+@pytest.mark.parametrize("how", ["echo", "truncate", "cp"])
+def test_truncate_while_downloading_never_lets_old_bytes_in(ubiq, device2, tmp_path, how):
+    """An evicted 8 MiB file starts downloading (a small read), then is replaced whole: the
+    result is the new content here, in the cloud and on device 2; no old chunk lands later."""
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "100", "--download-limit", "2M")
+    f = ubiq.docs / "big.bin"
+    f.write_bytes(os.urandom(8 * 1024 * 1024))
+    ubiq.sync()
+    ubiq.run("evict", f)
+    with open(f, "rb") as fh:
+        assert len(fh.read(100)) == 100
+    assert int(Ubiq.xattr(f, "user.ubiq.percent_downloaded")) < 100, "the download finished too early"
+    if how == "echo":
+        with open(f, "w") as fh:
+            fh.write("NEW\n")
+        want = b"NEW\n"
+    elif how == "truncate":
+        os.truncate(f, 0)
+        with open(f, "ab") as fh:
+            fh.write(b"NEW\n")
+        want = b"NEW\n"
+    else:
+        other = tmp_path / "other.bin"
+        other.write_bytes(b"copied over\n" * 1000)
+        subprocess.run(["cp", str(other), str(f)], check=True)
+        want = other.read_bytes()
+    # Give a download that was not stopped time to write more old chunks (2 MiB/s).
+    time.sleep(1.5)
+    assert f.read_bytes() == want
+    assert os.stat(f).st_size == len(want)
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(f)) == want
+    wait_for(lambda: (device2.docs / "big.bin").read_bytes() == want, timeout=15, what="device 2 to get the new bytes")
+    time.sleep(1.0)
+    assert f.read_bytes() == want
+
+
+def test_open_writer_at_crash_is_recovered_and_uploaded(ubiq, device2):
+    """Write 300,000 bytes, keep the file open, kill -9 the daemon. After remount the mount,
+    the index and the cloud agree on the written bytes, and device 2 gets them."""
+    f = ubiq.docs / "open.bin"
+    data = os.urandom(300_000)
+    fh = open(f, "wb")
+    try:
+        fh.write(data)
+        fh.flush()  # to the mount (a write(2)), no fsync
+        pid = int(ubiq.daemon_record()["pid"])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}"), what="daemon to die")
+    finally:
+        try:
+            fh.close()
+        except OSError:
+            pass
+    subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
+    ubiq.mount()
+    ubiq.sync()
+    assert os.stat(f).st_size == len(data)
+    assert sha256_file(f) == sha256(data)
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(data)
+    assert Ubiq.xattr(f, "user.ubiq.uploaded") == "1"
+    wait_for(lambda: (device2.docs / "open.bin").stat().st_size == len(data), timeout=15, what="device 2 size")
+    assert sha256_file(device2.docs / "open.bin") == sha256(data)
