@@ -104,7 +104,9 @@ extension FilesystemCore {
         try index.clearContentDirty(inode)
         continue
       }
-      let mtime = (try? FileTime.nanoseconds(st.st_mtim)) ?? Clock.nowNs()
+      // The last write's time, unless an explicit time was set after it (touch, cp -p).
+      let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? Clock.nowNs()
+      let mtime: Int64? = row.ctimeNs >= written ? nil : written
       try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true)
       log.warning("\(row.name): recorded \(st.st_size) bytes written before an unclean stop; queued for upload")
       recovered += 1

@@ -181,12 +181,13 @@ extension IndexStore {
     }
   }
 
-  /// Marks a file's content as present in the cache (after a download).
-  public func markCached(_ inode: Int64, etag: String) throws -> Bool {
+  /// Marks a file's content as present in the cache after a download of chunk manifest
+  /// `manifest`; false (nothing changed) if the item's content changed meanwhile.
+  public func markCached(_ inode: Int64, manifest: String?) throws -> Bool {
     try pool.write { db in
       try db.execute(
-        sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ? AND etag = ?",
-        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode, etag])
+        sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ? AND chunks IS ?",
+        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode, manifest])
       return db.changesCount > 0
     }
   }

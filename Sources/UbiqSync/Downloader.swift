@@ -13,7 +13,8 @@ import UbiqIndex
 /// only until their own byte range is present. All readers of the inode share it.
 public final class ContentStream: @unchecked Sendable {
   public let inode: Int64
-  public let etag: String
+  /// The chunk manifest being fetched: the download completes only if the item still has it.
+  public let manifest: String?
   public let size: Int64
   let chunks: [ChunkRef]
   let offsets: [Int64]
@@ -33,9 +34,9 @@ public final class ContentStream: @unchecked Sendable {
   public var finished: Bool { cond.withLock { isFinished } }
   private var doneCount = 0
 
-  init(inode: Int64, etag: String, size: Int64, chunks: [ChunkRef], fd: Int32) {
+  init(inode: Int64, manifest: String?, size: Int64, chunks: [ChunkRef], fd: Int32) {
     self.inode = inode
-    self.etag = etag
+    self.manifest = manifest
     self.size = size
     self.chunks = chunks
     var offs: [Int64] = []
@@ -203,12 +204,11 @@ public final class Downloader: @unchecked Sendable {
       guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
       if row.content == .cached { return nil }
       // A download of an older version (changed remotely meanwhile) finishes on its own.
-      if let s = streams[inode], s.etag == row.etag { return s }
-      guard let etag = row.etag else { throw UbiqError.io("\(row.name) has no cloud version") }
+      if let s = streams[inode], s.manifest == row.chunks { return s }
       let fd = Glibc.open(cache.path(inode), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
       guard fd >= 0 else { throw UbiqError.io("cannot create the cache file of \(row.name)") }
       _ = ftruncate(fd, off_t(row.size))
-      let s = ContentStream(inode: inode, etag: etag, size: row.size, chunks: row.chunkList, fd: fd)
+      let s = ContentStream(inode: inode, manifest: row.chunks, size: row.size, chunks: row.chunkList, fd: fd)
       streams[inode] = s
       failures[inode] = nil
       Task.detached { [self] in await self.run(s, name: row.name) }
@@ -254,7 +254,7 @@ public final class Downloader: @unchecked Sendable {
       log.warning("download of \(name) failed: \(e)")
       lock.withLock { failures[s.inode] = e.description }
     } else {
-      ok = (try? index.markCached(s.inode, etag: s.etag)) ?? false
+      ok = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
       if ok {
         log.debug("downloaded \(name) (\(s.size) bytes)")
         onCached(s.inode)

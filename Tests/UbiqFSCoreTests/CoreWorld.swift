@@ -3,9 +3,9 @@ import Logging
 import UbiqCloud
 import UbiqCore
 import UbiqIndex
-@testable import UbiqSync
 
 @testable import UbiqFSCore
+@testable import UbiqSync
 
 #if canImport(Glibc)
   import Glibc

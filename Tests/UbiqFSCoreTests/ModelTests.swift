@@ -1,0 +1,399 @@
+import Foundation
+import PropertyBased
+import Testing
+import UbiqCore
+
+@testable import UbiqFSCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// One generated step: what to do (`kind`) and its arguments, all small integers so that the
+/// shrinker can make a failing sequence short and simple.
+struct ModelStep: Sendable, CustomStringConvertible {
+  var kind: Int
+  var a: Int
+  var b: Int
+  var n: Int
+
+  static let paths = ["a", "b", "c", "a/a", "a/b", "b/a", "b/c", "c/b", "a/b/c"]
+  static let kinds = [
+    "create", "write", "truncate", "read", "rename", "unlink", "mkdir", "rmdir", "setmtime", "evict", "open",
+    "writeOpen", "readOpen", "close", "crash", "setxattr",
+  ]
+  /// How often each kind is drawn (out of 32): namespace changes and evictions of files that
+  /// have content are what finds bugs, so they come often.
+  static let weights = [4, 4, 1, 2, 4, 2, 2, 1, 1, 3, 2, 2, 1, 1, 1, 1]
+  /// The kind a drawn number 0..<32 stands for.
+  static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
+  var p: String { Self.paths[a % Self.paths.count] }
+  var q: String { Self.paths[b % Self.paths.count] }
+  var description: String { "\(Self.kinds[kind % Self.kinds.count])(\(p), \(q), \(n))" }
+}
+
+/// Drives the real filesystem core (real index, cache, uploader, downloader and embedded cloud)
+/// and the reference model with the same steps, and checks after every step that results,
+/// errnos, listings and contents agree.
+final class ModelRun {
+  let world: CoreWorld
+  var model = ReferenceModel()
+  /// Open handles: the model's node and the core's handle.
+  var held: [(node: Int, handle: UInt64, writable: Bool)] = []
+  var log: [String] = []
+
+  init() throws { world = try CoreWorld() }
+  nonisolated(unsafe) static var stats: [String: Int] = [:]
+
+  var core: FilesystemCore { world.core }
+
+  func errno(_ body: () throws -> Void) -> Int32 {
+    do {
+      try body()
+      return 0
+    } catch let e as UbiqError {
+      return e.errno
+    } catch {
+      return -1
+    }
+  }
+
+  /// Resolves a path the way the kernel walks it: ENOENT for a missing part, ENOTDIR when a
+  /// part that must be a folder is a file.
+  func resolve(_ path: String) throws -> FileAttributes {
+    var cur = try core.getattr(world.documents)
+    for part in path.split(separator: "/") {
+      guard cur.kind == .directory else { throw UbiqError.notDirectory(path) }
+      guard let next = try core.lookup(parent: cur.inode, name: String(part)) else { throw UbiqError.notFound(path) }
+      cur = next
+    }
+    return cur
+  }
+
+  /// Whether a file's content is evicted (what `user.ubiq.status` says).
+  func isEvicted(_ path: String) throws -> Bool {
+    try core.getxattr(try resolve(path).inode, name: "user.ubiq.status", size: 64)
+      == .value(Data("not_downloaded".utf8))
+  }
+
+  func parentAndName(_ path: String) throws -> (Int64, String) {
+    let parts = path.split(separator: "/").map(String.init)
+    let parent = try resolve(parts.dropLast().joined(separator: "/"))
+    guard parent.kind == .directory else { throw UbiqError.notDirectory(path) }
+    return (parent.inode, parts.last!)
+  }
+
+  func bytes(_ step: ModelStep) -> Data {
+    let count = (step.b &* 997 &+ step.n) % 3000 + 1
+    return Data((0..<count).map { UInt8(truncatingIfNeeded: $0 &+ step.n &* 31 &+ step.a) })
+  }
+
+  func expectSame(_ got: Int32, _ want: Int32, _ step: ModelStep) {
+    #expect(got == want, "\(step): errno \(got), the model says \(want); steps: \(log)")
+  }
+
+  func run(_ step: ModelStep) throws {
+    log.append(step.description)
+    ModelRun.stats["steps", default: 0] += 1
+    let p = step.p
+    let q = step.q
+    switch step.kind % ModelStep.kinds.count {
+    case 0:  // create (O_CREAT|O_EXCL)
+      let want = model.create(p)
+      let got = errno {
+        let (parent, name) = try parentAndName(p)
+        if try core.lookup(parent: parent, name: name) != nil { throw UbiqError.exists(p) }
+        let (_, opened) = try core.create(parent: parent, name: name, mode: 0o644, caller: .current)
+        core.release(opened.handle)
+      }
+      expectSame(got, want, step)
+    case 1:  // open, write at an offset, close
+      let (node, want) = model.lookupFile(p)
+      let data = bytes(step)
+      let offset = step.n % 5000
+      let got = errno {
+        let a = try resolve(p)
+        if a.kind == .directory { throw UbiqError.isDirectory(p) }
+        let h = try core.open(a.inode, flags: O_WRONLY, caller: .current).handle
+        defer { core.release(h) }
+        _ = try data.withUnsafeBytes { try core.write(h, $0, offset: Int64(offset)) }
+        try core.flush(h)
+      }
+      if want == 0 { model.write(node: node, offset: offset, data) }
+      expectSame(got, want, step)
+    case 2:  // truncate(2)
+      let (node, want) = model.lookupFile(p)
+      let size = step.n % 6000
+      let got = errno {
+        let a = try resolve(p)
+        if a.kind == .directory { throw UbiqError.isDirectory(p) }
+        _ = try core.setattr(a.inode, AttributeUpdate(size: Int64(size)))
+      }
+      if want == 0 { model.truncate(node: node, to: size) }
+      expectSame(got, want, step)
+    case 3:  // read whole file (checked by `check` too; here through a fresh open)
+      let (node, want) = model.lookupFile(p)
+      var content = Data()
+      let got = errno {
+        let a = try resolve(p)
+        if a.kind == .directory { throw UbiqError.isDirectory(p) }
+        let h = try core.open(a.inode, flags: O_RDONLY, caller: .current).handle
+        defer { core.release(h) }
+        content = try core.read(h, offset: 0, size: Int(a.size) + 10)
+      }
+      expectSame(got, want, step)
+      if want == 0, case .file(let d) = model.nodes[node] { #expect(content == d, "\(step): content; steps: \(log)") }
+    case 4:  // rename / RENAME_NOREPLACE / RENAME_EXCHANGE
+      let flags = UInt32(step.n % 3)
+      if let a = try? resolve(p), a.blocks == 0, a.size > 0 {
+        ModelRun.stats["rename of an evicted file", default: 0] += 1
+      }
+      let want = model.rename(p, q, flags: flags)
+      let got = errno {
+        let (fromParent, fromName) = try parentAndName(p)
+        let (toParent, toName) = try parentAndName(q)
+        if try core.lookup(parent: fromParent, name: fromName) == nil { throw UbiqError.notFound(p) }
+        if p == q {
+          if flags == 1 { throw UbiqError.exists(q) }
+          return
+        }
+        try core.rename(
+          parent: fromParent, name: fromName, newParent: toParent, newName: toName,
+          flags: RenameFlags(rawValue: flags))
+      }
+      expectSame(got, want, step)
+    case 5:
+      let want = model.unlink(p)
+      let got = errno {
+        let (parent, name) = try parentAndName(p)
+        try core.unlink(parent: parent, name: name)
+      }
+      expectSame(got, want, step)
+    case 6:
+      let want = model.mkdir(p)
+      let got = errno {
+        let (parent, name) = try parentAndName(p)
+        if try core.lookup(parent: parent, name: name) != nil { throw UbiqError.exists(p) }
+        _ = try core.mkdir(parent: parent, name: name, mode: 0o755, caller: .current)
+      }
+      expectSame(got, want, step)
+    case 7:
+      let want = model.rmdir(p)
+      let got = errno {
+        let (parent, name) = try parentAndName(p)
+        try core.rmdir(parent: parent, name: name)
+      }
+      expectSame(got, want, step)
+    case 8:  // utimensat with times before 1970, at 0 and far ahead
+      let times: [Int64] = [-1_500_000_000, 0, 4_102_444_800_123_456_789, Int64(step.n) * 1_000_000_007]
+      let t = times[step.b % times.count]
+      let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      let got = errno {
+        let a = try resolve(p)
+        let after = try core.setattr(a.inode, AttributeUpdate(mtime: .at(t)))
+        #expect(after.mtimeNs == t, "\(step): mtime; steps: \(log)")
+      }
+      // A folder's mtime moves with every change inside it: the model keeps files' only.
+      if want == 0, let id = model.paths[p], model.nodes[id] != .directory { model.mtimes[id] = t }
+      expectSame(got, want, step)
+    case 9 where step.n % 2 == 1:  // upload everything, then evict every file that is not open
+      try world.drainUploads()
+      for (path, id) in model.paths where model.nodes[id] != .directory {
+        // Evicting an evicted file is a no-op; an open file with local content is refused.
+        let evicted = try isEvicted(path)
+        let open = held.contains { $0.node == id } && !evicted
+        let got = errno { try core.evict(try resolve(path).inode) }
+        expectSame(got, open ? EBUSY : 0, step)
+        ModelRun.stats["evict-all file", default: 0] += 1
+        if got == 0, let a = try? resolve(path), a.blocks == 0, a.size > 0 {
+          ModelRun.stats["evicted by all", default: 0] += 1
+        }
+      }
+      ModelRun.stats["evict-all", default: 0] += 1
+    case 9:  // evict after everything was uploaded: refused only while the file is open
+      try world.drainUploads()
+      var want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      if want == 0, let id = model.paths[p], held.contains(where: { $0.node == id }), !(try isEvicted(p)) {
+        want = EBUSY
+      }
+      let got = errno { try core.evict(try resolve(p).inode) }
+      if got == 0, let a = try? resolve(p), a.blocks == 0, a.size > 0 { ModelRun.stats["evicted", default: 0] += 1 }
+      expectSame(got, want, step)
+    case 10:  // open and keep the handle
+      guard held.count < 3 else { return }
+      let writable = step.n % 2 == 0
+      let (node, want) = model.lookupFile(p)
+      var handle: UInt64 = 0
+      let got = errno {
+        let a = try resolve(p)
+        if a.kind == .directory { throw UbiqError.isDirectory(p) }
+        handle = try core.open(a.inode, flags: writable ? O_RDWR : O_RDONLY, caller: .current).handle
+      }
+      expectSame(got, want, step)
+      if got == 0 { held.append((node, handle, writable)) }
+    case 11:  // write through a kept handle (no flush)
+      // The kernel refuses writes through a read-only descriptor (EBADF) before asking us.
+      let writable = held.filter(\.writable)
+      guard !writable.isEmpty else { return }
+      let h = writable[step.a % writable.count]
+      let data = bytes(step)
+      let offset = step.n % 5000
+      let got = errno { _ = try data.withUnsafeBytes { try core.write(h.handle, $0, offset: Int64(offset)) } }
+      expectSame(got, 0, step)
+      if got == 0 { model.write(node: h.node, offset: offset, data) }
+    case 12:  // read through a kept handle, also after the file was unlinked or renamed
+      guard !held.isEmpty else { return }
+      let h = held[step.a % held.count]
+      guard case .file(let d) = model.nodes[h.node] else { return }
+      let got = try core.read(h.handle, offset: 0, size: d.count + 10)
+      #expect(got == d, "\(step): read through an open handle; steps: \(log)")
+    case 13:
+      guard !held.isEmpty else { return }
+      let h = held.remove(at: step.a % held.count)
+      core.release(h.handle)
+    case 14:  // the daemon dies: handles vanish unflushed; nothing written may be lost
+      held.removeAll()
+      try world.crashAndRestart()
+    default:  // user xattr
+      let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      let value = Data("v\(step.n)".utf8)
+      let got = errno {
+        let a = try resolve(p)
+        try core.setxattr(a.inode, name: "user.k", value: value, flags: [])
+      }
+      expectSame(got, want, step)
+      if want == 0 { model.xattrs[model.paths[p]!, default: [:]]["user.k"] = value }
+    }
+    try check(after: step)
+  }
+
+  /// The whole visible tree (names, kinds, sizes, contents, set mtimes and xattrs) equals the
+  /// model's. Evicted files are compared by size only unless `readEvicted` (reading them would
+  /// download them, and the next steps must also see evicted files); `finish` reads everything.
+  func check(after step: ModelStep, readEvicted: Bool = false) throws {
+    var seen: [String: Data?] = [:]
+    func walk(_ inode: Int64, _ prefix: String) throws {
+      var entries: [DirectoryEntry] = []
+      try core.readdir(inode, offset: 0) { e in
+        entries.append(e)
+        return true
+      }
+      for e in entries where e.name != "." && e.name != ".." {
+        let path = prefix.isEmpty ? e.name : prefix + "/" + e.name
+        if e.attributes.kind == .directory {
+          seen[path] = .some(nil)
+          try walk(e.attributes.inode, path)
+        } else if e.attributes.blocks == 0 && e.attributes.size > 0 && !readEvicted {
+          // Evicted: what a listing shows, without downloading.
+          let id = model.paths[path]
+          if let id, case .file(let d) = model.nodes[id] {
+            #expect(Int(e.attributes.size) == d.count, "\(step): size of evicted \(path); steps: \(log)")
+            seen[path] = .some(d)
+          } else {
+            seen[path] = .some(Data())
+          }
+        } else {
+          let h = try core.open(e.attributes.inode, flags: O_RDONLY, caller: .current).handle
+          defer { core.release(h) }
+          let content = try core.read(h, offset: 0, size: Int(e.attributes.size) + 10)
+          #expect(Int(e.attributes.size) == content.count, "\(step): size of \(path); steps: \(log)")
+          seen[path] = .some(content)
+        }
+        if let id = model.paths[path] {
+          if let t = model.mtimes[id] {
+            #expect(try core.getattr(e.attributes.inode).mtimeNs == t, "\(step): mtime of \(path); steps: \(log)")
+          }
+          for (k, v) in model.xattrs[id] ?? [:] {
+            #expect(
+              try core.getxattr(e.attributes.inode, name: k, size: 1024) == .value(v),
+              "\(step): xattr of \(path); steps: \(log)")
+          }
+        }
+      }
+    }
+    try walk(world.documents, "")
+    let want = model.visibleTree
+    #expect(seen == want, "\(step): tree differs; steps: \(log)")
+  }
+
+  /// After the last step: every handle closed, everything uploaded, then every file read.
+  func finish() throws {
+    for h in held { core.release(h.handle) }
+    held.removeAll()
+    try world.drainUploads()
+    try check(after: ModelStep(kind: 3, a: 0, b: 0, n: 0), readEvicted: true)
+  }
+}
+
+/// Random operation sequences against the core and the reference model. The number of cases
+/// comes from UBIQ_MODEL_CASES (CI's budget by default; scripts/soak.sh sets more). A failure
+/// prints the shrunk step list and the seed to replay it (`.fixedSeed(...)` on the test).
+@Suite(.serialized) struct ModelTests {
+  static let cases = Int(ProcessInfo.processInfo.environment["UBIQ_MODEL_CASES"] ?? "") ?? 1500
+
+  static let stepGenerator = zip(
+    Gen.int(in: 0...31), Gen.int(in: 0...8), Gen.int(in: 0...8), Gen.int(in: 0...9999)
+  ).map { ModelStep(kind: ModelStep.drawnKinds[$0], a: $1 % 3 == 0 ? $1 : $1 % 3, b: $2 % 3 == 0 ? $2 : $2 % 3, n: $3) }
+
+  /// Sequences found by the random test or written for a known bug, replayed every run.
+  /// Steps are (kind, a, b, n) as in `ModelStep`: kind indexes `ModelStep.kinds`, a and b
+  /// index `ModelStep.paths`.
+  static let regressions: [[(Int, Int, Int, Int)]] = [
+    // mv d f with d evicted: f must show d's bytes.
+    [(0, 0, 0, 0), (1, 0, 1, 7), (0, 1, 0, 0), (1, 1, 2, 9), (9, 0, 0, 0), (4, 0, 1, 0), (3, 1, 1, 0)],
+    [(0, 0, 0, 0), (1, 0, 1, 7), (0, 1, 0, 0), (1, 1, 2, 9), (9, 0, 0, 0), (4, 0, 1, 0)],
+    // the same with the target evicted, and with both.
+    [(0, 0, 0, 0), (1, 0, 1, 7), (0, 1, 0, 0), (1, 1, 2, 9), (9, 1, 0, 0), (4, 0, 1, 0)],
+    [(0, 0, 0, 0), (1, 0, 1, 7), (0, 1, 0, 0), (1, 1, 2, 9), (9, 0, 0, 0), (9, 1, 0, 0), (4, 0, 1, 2)],
+    // writes through a handle that is open at a crash.
+    [(0, 0, 0, 0), (10, 0, 0, 0), (11, 0, 3, 100), (14, 0, 0, 0), (3, 0, 0, 0)],
+    // unlinked while open: still readable and writable through the handle.
+    [(0, 2, 0, 0), (1, 2, 2, 5), (10, 2, 0, 0), (5, 2, 0, 0), (11, 0, 1, 40), (12, 0, 0, 0), (13, 0, 0, 0)],
+    // a write after an explicit mtime moves the mtime.
+    [(0, 2, 0, 0), (8, 2, 0, 0), (1, 2, 0, 0)],
+    // an explicit mtime after unflushed writes, then a crash: the explicit time stays.
+    [(0, 2, 0, 0), (10, 2, 0, 0), (11, 0, 0, 0), (8, 2, 0, 0), (14, 0, 0, 0)],
+    // exchange of a new empty file with an evicted one.
+    [(0, 2, 0, 0), (1, 2, 0, 0), (9, 0, 0, 3), (4, 2, 1, 0), (0, 2, 0, 0), (4, 2, 1, 1316), (10, 2, 0, 0)],
+  ]
+
+  @Test func knownSequences() async throws {
+    for steps in Self.regressions {
+      try await onOwnThread {
+        let run = try ModelRun()
+        for (k, a, b, n) in steps { try run.run(ModelStep(kind: k, a: a, b: b, n: n)) }
+        try run.finish()
+      }
+    }
+  }
+
+  @Test func coreMatchesTheReferenceModel() async {
+    print("model test: \(Self.cases) random sequences of up to 60 steps (UBIQ_MODEL_CASES)")
+    await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...60)) { steps in
+      // The core is synchronous and blocks on async work inside: run it on a thread of its own,
+      // never on one of the few threads of Swift's cooperative pool.
+      try await onOwnThread {
+        let run = try ModelRun()
+        for step in steps { try run.run(step) }
+        try run.finish()
+      }
+    }
+    print("model stats: \(ModelRun.stats)")
+  }
+}
+
+/// Runs blocking work on a new thread and waits for it without blocking the caller's thread.
+func onOwnThread(_ body: @escaping @Sendable () throws -> Void) async throws {
+  try await withCheckedThrowingContinuation { (c: CheckedContinuation<Void, Error>) in
+    let t = Thread {
+      do {
+        try body()
+        c.resume()
+      } catch {
+        c.resume(throwing: error)
+      }
+    }
+    t.stackSize = 8 << 20
+    t.start()
+  }
+}
