@@ -67,6 +67,8 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case exists(String)
   /// The bearer token is missing, unknown or revoked.
   case unauthorized(String)
+  /// An identifier (item id, parent id, version id) that does not have the one format.
+  case invalidID(String)
 
   public var description: String {
     switch self {
@@ -79,6 +81,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .unavailable(let m): return "cloud unavailable: \(m)"
     case .exists(let m): return "already exists: \(m)"
     case .unauthorized(let m): return "not signed in: \(m)"
+    case .invalidID(let m): return "invalid identifier: \(m)"
     }
   }
 
@@ -91,6 +94,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .conflict: return EBUSY
     case .exists: return EEXIST
     case .unauthorized: return EACCES
+    case .invalidID: return EINVAL
     default: return EIO
     }
   }

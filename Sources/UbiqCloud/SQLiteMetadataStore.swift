@@ -168,6 +168,24 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
+  public func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64] {
+    if hashes.isEmpty { return [:] }
+    return try await pool.read { db in
+      var found: [String: Int64] = [:]
+      for batch in stride(from: 0, to: hashes.count, by: 500) {
+        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
+        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+        for row in try Row.fetchAll(
+          db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND hash IN (\(marks))",
+          arguments: StatementArguments([account] + slice))
+        {
+          found[row["hash"]] = row["size"]
+        }
+      }
+      return found
+    }
+  }
+
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await pool.read { db in
       try Int64.fetchOne(
@@ -183,7 +201,8 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       {
         return
       }
-      if quota > 0 && used + size > quota {
+      let (total, overflow) = used.addingReportingOverflow(size)
+      if quota > 0 && (overflow || total > quota) {
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try db.execute(
@@ -389,7 +408,8 @@ public enum KVQuota {
     if otherKeys + 1 > limits.maxKeys {
       throw KeyValueError.quotaViolation("the store already holds \(otherKeys) keys (maximum \(limits.maxKeys))")
     }
-    if otherBytes + cost > limits.maxTotalBytes {
+    let (total, overflow) = otherBytes.addingReportingOverflow(cost)
+    if overflow || total > limits.maxTotalBytes {
       throw KeyValueError.quotaViolation(
         "\(otherBytes) + \(cost) bytes exceeds the store's \(limits.maxTotalBytes) bytes")
     }

@@ -26,6 +26,8 @@ public protocol MetadataStore: Sendable {
   func knownChunks(account: String, hashes: [String]) async throws -> Set<String>
   /// The size of a chunk recorded for the account (nil if the account has no such chunk).
   func chunkSize(account: String, hash: String) async throws -> Int64?
+  /// The recorded sizes of those of `hashes` the account holds.
+  func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64]
   /// Records a stored chunk and charges it to the quota; throws `CloudError.quotaExceeded`
   /// (and records nothing) if it does not fit.
   func recordChunk(account: String, hash: String, size: Int64) async throws

@@ -273,6 +273,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
+  public func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64] {
+    if hashes.isEmpty { return [:] }
+    return try await read { conn in
+      var found: [String: Int64] = [:]
+      for batch in stride(from: 0, to: hashes.count, by: 1000) {
+        let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+        for try await (h, size) in try await conn.query(
+          "SELECT hash, size FROM chunks WHERE account = \(account) AND hash = ANY(\(slice))", logger: log
+        ).decode((String, Int64).self) {
+          found[h] = size
+        }
+      }
+      return found
+    }
+  }
+
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await read { conn in
       try await Self.first(
@@ -290,7 +306,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       {
         return
       }
-      if quota > 0 && used + size > quota {
+      let (total, overflow) = used.addingReportingOverflow(size)
+      if quota > 0 && (overflow || total > quota) {
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try await conn.query(

@@ -99,6 +99,7 @@ public struct APIError: Error, Sendable {
     case .unavailable: return APIError(.serviceUnavailable, "unavailable", e.description)
     case .exists: return APIError(.conflict, "exists", e.description)
     case .unauthorized: return .unauthorized(e.description)
+    case .invalidID: return .badRequest("invalid_id", e.description)
     }
   }
 }
