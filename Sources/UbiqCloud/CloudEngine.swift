@@ -2,8 +2,9 @@ import Foundation
 import UbiqCore
 
 /// The cloud's rules (etags and If-Match, chunk hash verification, quota, container seeding,
-/// identifiers and range-checked numbers) over a metadata store and a blob store, for one
-/// account. Used in-process as the embedded default cloud and by `ubiqfs serve`.
+/// identifiers and numbers, tree invariants) over a metadata store and a blob store, for one
+/// account. Used in-process as the embedded
+/// default cloud and by `ubiqfs serve`.
 public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendable {
   public let account: String
   let metadata: MetadataStore
@@ -93,7 +94,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     var record = item
     record.deleted = false
-    return try await metadata.commit(account: account, container: container.rawValue, item: record, ifMatch: ifMatch)
+    return try await metadata.commit(
+      account: account, container: container.rawValue, item: record, ifMatch: ifMatch, rule: Self.treeRule(for: record))
   }
 
   /// A file version's chunk list: every length positive and equal to the stored chunk's size,
@@ -112,6 +114,33 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if total != size { throw CloudError.invalid("\(what): chunk lengths add up to \(total), size is \(size)") }
   }
 
+  /// The tree invariants of a live item, checked by the metadata engine inside the commit:
+  /// its parent exists, is a directory and is not deleted; the item is not its own ancestor;
+  /// no other live item of the parent has its name.
+  static func treeRule(for item: CloudItem) -> TreeRule {
+    { tree in
+      guard let parentID = item.parentID else { return }
+      if parentID == item.itemID || tree.ancestors.contains(where: { $0.itemID == item.itemID }) {
+        throw CloudError.cycle("moving \(item.itemID) under \(parentID) would make it its own ancestor")
+      }
+      guard let parent = tree.ancestors.first, parent.itemID == parentID else {
+        throw CloudError.badParent("parent \(parentID) of \(item.itemID) does not exist")
+      }
+      if parent.deleted { throw CloudError.badParent("parent \(parentID) of \(item.itemID) is deleted") }
+      if parent.kind != .directory {
+        throw CloudError.badParent("parent \(parentID) of \(item.itemID) is not a directory")
+      }
+      if let last = tree.ancestors.last, let above = last.parentID,
+        tree.ancestors.count >= TreeSnapshot.maxDepth || tree.ancestors.contains(where: { $0.itemID == above })
+      {
+        throw CloudError.cycle("the ancestors of \(parentID) loop or are deeper than \(TreeSnapshot.maxDepth)")
+      }
+      if let other = tree.namesake {
+        throw CloudError.nameTaken("'\(item.name)' in \(parentID) is item \(other.itemID)")
+      }
+    }
+  }
+
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
@@ -128,7 +157,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     current.chunks = []
     current.xattrs = [:]
     current.deviceID = deviceID
-    return try await metadata.commit(account: account, container: container.rawValue, item: current, ifMatch: ifMatch)
+    return try await metadata.commit(
+      account: account, container: container.rawValue, item: current, ifMatch: ifMatch, rule: nil)
   }
 
   public func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
@@ -205,6 +235,9 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     do { try ItemName.validate(item.name) } catch let e as UbiqError { throw CloudError.invalid(e.description) }
     if item.parentID == nil { throw CloudError.invalid("item \(item.itemID) has no parent") }
+    if item.itemID == WellKnownItem.documents && item.parentID != WellKnownItem.root {
+      throw CloudError.invalid("Documents stays in the container root")
+    }
     if item.kind == .symlink && (item.symlinkTarget ?? "").isEmpty {
       throw CloudError.invalid("symlink without target")
     }

@@ -1,17 +1,19 @@
-"""What the server refuses from clients (docs/protocol.md, "Identifiers and numbers"), on
-both engines: range-checked numbers, the one identifier format, strict JSON, malformed
-tokens, and a fuzz-ish sweep that must only ever produce JSON 2xx/4xx answers while the
-server keeps serving."""
+"""What the server refuses from clients (docs/protocol.md, "Tree invariants" and "Identifiers
+and numbers"), on both engines: tree invariants checked inside the commit, range-checked
+numbers, the one identifier format, malformed tokens, and a fuzz-ish sweep that must only
+ever produce JSON 2xx/4xx answers while the server keeps serving. Also `ubiqfs server check`."""
 
 from __future__ import annotations
 
 import json
 import random
+import sqlite3
+import subprocess
 import urllib.parse
 
 import pytest
-from test_api import C, CQ, error, item, sha
-from ubiqstack import Api
+from test_api import C, CQ, error, item, put_file, sha
+from ubiqstack import Api, PostgresCluster, run_cli
 
 INT64_MAX = 2**63 - 1
 
@@ -23,6 +25,56 @@ def folder(item_id: str, name: str, parent: str = "documents") -> dict:
 def put(api: Api, rec: dict, if_match: str | None = None):
     headers = {"If-Match": f'"{if_match}"'} if if_match else {}
     return api.put(f"{CQ}/items/{Api.q(rec['itemID'])}", rec, headers=headers)
+
+
+# ---------------------------------------------------------------------------- tree invariants
+
+
+def test_parent_must_exist_be_a_live_directory(api):
+    api.ensure_container(C)
+    error(put(api, folder("d-orphan", "orphan", parent="no-such-item")), 409, "bad_parent")
+    assert put_file(api, "f1", "file.txt", b"data").status == 201
+    error(put(api, folder("d-under-file", "x", parent="f1")), 409, "bad_parent")
+    d = put(api, folder("d1", "dir")).json()
+    assert api.delete(f"{CQ}/items/d1", headers={"If-Match": f'"{d["etag"]}"'}).status == 200
+    error(put(api, folder("d-under-tombstone", "x", parent="d1")), 409, "bad_parent")
+    # The container root and Documents are directories: children are fine.
+    assert put(api, folder("top", "top", parent="root")).status == 201
+    # Nothing refused was stored.
+    for bad in ("d-orphan", "d-under-file", "d-under-tombstone"):
+        error(api.get(f"{CQ}/items/{bad}"), 404, "not_found")
+
+
+def test_cycles_are_refused(api):
+    api.ensure_container(C)
+    error(put(api, folder("self", "self", parent="self")), 409, "cycle")
+    x = put(api, folder("x", "x")).json()
+    y = put(api, folder("y", "y", parent="x")).json()
+    z = put(api, folder("z", "z", parent="y")).json()
+    # Moving x under y (y is under x) or under z (two levels down) would make a cycle.
+    error(put(api, folder("x", "x", parent="y"), if_match=x["etag"]), 409, "cycle")
+    error(put(api, folder("x", "x", parent="z"), if_match=x["etag"]), 409, "cycle")
+    error(put(api, folder("x", "x", parent="x"), if_match=x["etag"]), 409, "cycle")
+    # Documents cannot move at all (so never under one of its descendants).
+    docs = api.get(f"{CQ}/items/documents").json()
+    error(put(api, dict(docs, parentID="x"), if_match=docs["etag"]), 400, "invalid")
+    assert api.get(f"{CQ}/items/x").json()["parentID"] == "documents"
+    # A legal move still works.
+    assert put(api, folder("z", "z", parent="x"), if_match=z["etag"]).status == 200
+    assert y["parentID"] == "x"
+
+
+def test_one_live_name_per_parent(api):
+    api.ensure_container(C)
+    a = put(api, folder("a", "same")).json()
+    error(put(api, folder("b", "same")), 409, "name_taken")
+    # Another folder may use the name; a deleted item frees it.
+    assert put(api, folder("c", "same", parent="a")).status == 201
+    # Renaming an item to its own name is not a clash.
+    a = put(api, dict(folder("a", "same"), mode=0o700), if_match=a["etag"]).json()
+    assert api.delete(f"{CQ}/items/c", headers={"If-Match": '"%s"' % api.get(f"{CQ}/items/c").json()["etag"]}).status == 200
+    assert api.delete(f"{CQ}/items/a", headers={"If-Match": f'"{a["etag"]}"'}).status == 200
+    assert put(api, folder("b", "same")).status == 201
 
 
 # ---------------------------------------------------------------------------- numbers
@@ -173,3 +225,65 @@ def test_fuzz_every_answer_is_json_2xx_or_4xx(server, api):
             assert r.json()["code"], (method, path, r)
         assert server.proc.poll() is None, (method, path, body)
     assert api.get("/v1/usage").status == 200
+
+
+# ---------------------------------------------------------------------------- server check
+
+
+def _corrupt(storage, records: list[dict], account: str) -> None:
+    """Writes item records straight into the metadata store, bypassing the server's rules."""
+    if storage.kind == "embedded":
+        db = sqlite3.connect(storage.data / "cloud.sqlite")
+        with db:
+            for rec in records:
+                seq = db.execute("SELECT lastSeq + 1 FROM containers WHERE account = ? AND container = ?", (account, C)).fetchone()[0]
+                db.execute("UPDATE containers SET lastSeq = ? WHERE account = ? AND container = ?", (seq, account, C))
+                rec = dict(rec, changeSeq=seq, etag=str(seq))
+                db.execute(
+                    "INSERT OR REPLACE INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)"
+                    " VALUES (?,?,?,?,?,?,?,?,?)",
+                    (account, C, rec["itemID"], seq, rec["etag"], 0, json.dumps(rec).encode(), rec["parentID"], rec["name"]),
+                )
+        db.close()
+        return
+    psql = f"{PostgresCluster.bindir()}/psql"
+    for rec in records:
+        sql = f"""
+        WITH s AS (UPDATE containers SET last_seq = last_seq + 1 WHERE account = '{account}' AND container = '{C}' RETURNING last_seq)
+        INSERT INTO items(account, container, item_id, change_seq, etag, deleted, record, parent_id, name)
+        SELECT '{account}', '{C}', '{rec["itemID"]}', s.last_seq, s.last_seq::text, false,
+          '{json.dumps(rec)}', '{rec["parentID"]}', '{rec["name"]}' FROM s
+        ON CONFLICT (account, container, item_id) DO UPDATE SET record = EXCLUDED.record, parent_id = EXCLUDED.parent_id
+        """
+        subprocess.run([psql, "-q", "-v", "ON_ERROR_STOP=1", storage.pg.url.replace("?sslmode=disable", ""), "-c", sql], check=True, capture_output=True)
+
+
+def test_server_check_reports_and_repairs_bad_trees(storage, api):
+    api.ensure_container(C)
+    assert put(api, folder("ok", "ok")).status == 201
+    check = ["server", "check", *storage.args()]
+    clean = run_cli(*check, env_extra=storage.env(), check=False)
+    assert clean.returncode == 0, clean
+    _corrupt(
+        storage,
+        [folder("orphan", "orphan", parent="gone"), folder("cy1", "cy1", parent="cy2"), folder("cy2", "cy2", parent="cy1"),
+         folder("kid", "kid", parent="cy1")],
+        api.account,
+    )
+    found = run_cli(*check, env_extra=storage.env(), check=False)
+    assert found.returncode != 0, found
+    out = found.stdout + found.stderr
+    assert "orphan" in out and "cy1" in out and "cy2" in out, out
+    repaired = run_cli(*check, "--repair", env_extra=storage.env(), check=False)
+    assert repaired.returncode == 0, repaired
+    assert run_cli(*check, env_extra=storage.env(), check=False).returncode == 0
+    # Nothing was deleted: the orphan and the cycle's members now live in Documents/lost+found;
+    # the cycle's other children stay where they were.
+    items = {i["itemID"]: i for i in api.all_items(C)}
+    lf = [i for i in items.values() if i["name"] == "lost+found" and i["parentID"] == "documents" and not i["deleted"]]
+    assert len(lf) == 1 and lf[0]["kind"] == 2
+    assert items["orphan"]["parentID"] == lf[0]["itemID"] and not items["orphan"]["deleted"]
+    moved = [i for i in ("cy1", "cy2") if items[i]["parentID"] == lf[0]["itemID"]]
+    assert moved, items
+    assert items["kid"]["parentID"] == "cy1" and not items["kid"]["deleted"]
+    assert not any(i["deleted"] for i in items.values())
