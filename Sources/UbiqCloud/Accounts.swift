@@ -41,6 +41,11 @@ public enum BearerToken {
     return (0..<8).map { _ in String(format: "%02x", UInt8.random(in: 0...255, using: &rng)) }.joined()
   }
 
+  /// True for the one token format, `ubq_` and 64 lower-case hex digits.
+  public static func isWellFormed(_ token: some StringProtocol) -> Bool {
+    token.hasPrefix("ubq_") && Chunker.isValidHash(String(token.dropFirst(4)))
+  }
+
   public static func hash(_ token: String) -> String {
     SHA256.hash(data: Data(token.utf8)).map { String(format: "%02x", $0) }.joined()
   }

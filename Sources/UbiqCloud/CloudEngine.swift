@@ -1,8 +1,9 @@
 import Foundation
 import UbiqCore
 
-/// The cloud's rules (etags and If-Match, chunk hash verification, quota, container seeding)
-/// over a metadata store and a blob store, for one account. Used in-process as the embedded
+/// The cloud's rules (etags and If-Match, chunk hash verification, quota, container seeding,
+/// identifiers and numbers, tree invariants) over a metadata store and a blob store, for one
+/// account. Used in-process as the embedded
 /// default cloud and by `ubiqfs serve`.
 public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendable {
   public let account: String
@@ -51,7 +52,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     guard Chunker.sha256Hex(data) == hash else { throw CloudError.hashMismatch(hash) }
     if try await metadata.knownChunks(account: account, hashes: [hash]).contains(hash) { return }
     let usage = try await metadata.usage(account: account)
-    if usage.quotaBytes > 0 && usage.usedBytes + Int64(data.count) > usage.quotaBytes {
+    let (after, overflow) = usage.usedBytes.addingReportingOverflow(Int64(data.count))
+    if usage.quotaBytes > 0 && (overflow || after > usage.quotaBytes) {
       throw CloudError.quotaExceeded(usage)
     }
     try await blobs.put(account: account, hash: hash, data: data)
@@ -82,15 +84,61 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if item.kind == .file {
       // Conflict versions reference chunks too: all must belong to this account.
       let referenced = item.chunks.map(\.hash) + (item.conflicts ?? []).flatMap { $0.chunks.map(\.hash) }
-      let known = try await metadata.knownChunks(account: account, hashes: referenced)
-      let missing = referenced.filter { !known.contains($0) }
+      let sizes = try await metadata.chunkSizes(account: account, hashes: Array(Set(referenced)))
+      let missing = referenced.filter { sizes[$0] == nil }
       if !missing.isEmpty { throw CloudError.missingChunks(missing) }
-      let total = item.chunks.reduce(Int64(0)) { $0 + $1.length }
-      if total != item.size { throw CloudError.invalid("chunk lengths add up to \(total), size is \(item.size)") }
+      try Self.checkChunks(item.chunks, size: item.size, stored: sizes, of: "item \(item.itemID)")
+      for v in item.conflicts ?? [] {
+        try Self.checkChunks(v.chunks, size: v.size, stored: sizes, of: "conflict version \(v.versionID)")
+      }
     }
     var record = item
     record.deleted = false
-    return try await metadata.commit(account: account, container: container.rawValue, item: record, ifMatch: ifMatch)
+    return try await metadata.commit(
+      account: account, container: container.rawValue, item: record, ifMatch: ifMatch, rule: Self.treeRule(for: record))
+  }
+
+  /// A file version's chunk list: every length positive and equal to the stored chunk's size,
+  /// the lengths adding up (without overflow) to `size`.
+  static func checkChunks(_ chunks: [ChunkRef], size: Int64, stored: [String: Int64], of what: String) throws {
+    var total: Int64 = 0
+    for c in chunks {
+      guard c.length > 0 else { throw CloudError.invalid("\(what): chunk length \(c.length) is not positive") }
+      guard stored[c.hash] == c.length else {
+        throw CloudError.invalid("\(what): chunk \(c.hash) has \(stored[c.hash] ?? 0) bytes, not \(c.length)")
+      }
+      let (sum, overflow) = total.addingReportingOverflow(c.length)
+      guard !overflow else { throw CloudError.invalid("\(what): chunk lengths add up to more than \(Int64.max)") }
+      total = sum
+    }
+    if total != size { throw CloudError.invalid("\(what): chunk lengths add up to \(total), size is \(size)") }
+  }
+
+  /// The tree invariants of a live item, checked by the metadata engine inside the commit:
+  /// its parent exists, is a directory and is not deleted; the item is not its own ancestor;
+  /// no other live item of the parent has its name.
+  static func treeRule(for item: CloudItem) -> TreeRule {
+    { tree in
+      guard let parentID = item.parentID else { return }
+      if parentID == item.itemID || tree.ancestors.contains(where: { $0.itemID == item.itemID }) {
+        throw CloudError.cycle("moving \(item.itemID) under \(parentID) would make it its own ancestor")
+      }
+      guard let parent = tree.ancestors.first, parent.itemID == parentID else {
+        throw CloudError.badParent("parent \(parentID) of \(item.itemID) does not exist")
+      }
+      if parent.deleted { throw CloudError.badParent("parent \(parentID) of \(item.itemID) is deleted") }
+      if parent.kind != .directory {
+        throw CloudError.badParent("parent \(parentID) of \(item.itemID) is not a directory")
+      }
+      if let last = tree.ancestors.last, let above = last.parentID,
+        tree.ancestors.count >= TreeSnapshot.maxDepth || tree.ancestors.contains(where: { $0.itemID == above })
+      {
+        throw CloudError.cycle("the ancestors of \(parentID) loop or are deeper than \(TreeSnapshot.maxDepth)")
+      }
+      if let other = tree.namesake {
+        throw CloudError.nameTaken("'\(item.name)' in \(parentID) is item \(other.itemID)")
+      }
+    }
   }
 
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
@@ -99,6 +147,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     guard itemID != WellKnownItem.root, itemID != WellKnownItem.documents else {
       throw CloudError.invalid("the container root and Documents cannot be deleted")
     }
+    guard Identifier.isValid(itemID) else { throw CloudError.invalidID("item id \(Identifier.quoted(itemID))") }
+    if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
     guard var current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
       throw CloudError.notFound("item \(itemID)")
     }
@@ -107,11 +157,13 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     current.chunks = []
     current.xattrs = [:]
     current.deviceID = deviceID
-    return try await metadata.commit(account: account, container: container.rawValue, item: current, ifMatch: ifMatch)
+    return try await metadata.commit(
+      account: account, container: container.rawValue, item: current, ifMatch: ifMatch, rule: nil)
   }
 
   public func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
-    try await metadata.item(account: account, container: container.rawValue, itemID: itemID)
+    guard Identifier.isValid(itemID) else { throw CloudError.invalidID("item id \(Identifier.quoted(itemID))") }
+    return try await metadata.item(account: account, container: container.rawValue, itemID: itemID)
   }
 
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
@@ -149,6 +201,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   public func kvWrite(_ container: ContainerID, _ write: KVWrite) async throws -> KVWriteResult {
     try kvLimits.validate(key: write.key)
     if write.device.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if write.timestamp < 0 { throw CloudError.invalid("timestamp \(write.timestamp) is negative") }
     if let value = write.value {
       let cost = try KVLimits.cost(key: write.key, value: value)
       if cost > kvLimits.maxTotalBytes {
@@ -167,15 +220,28 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   }
 
   private func validate(_ item: CloudItem) throws {
-    guard !item.itemID.isEmpty, item.itemID.utf8.count <= 128 else { throw CloudError.invalid("bad item id") }
+    guard Identifier.isValid(item.itemID) else {
+      throw CloudError.invalidID("item id \(Identifier.quoted(item.itemID))")
+    }
+    if let parentID = item.parentID, !Identifier.isValid(parentID) {
+      throw CloudError.invalidID("parent id \(Identifier.quoted(parentID))")
+    }
+    for v in item.conflicts ?? [] where !Identifier.isValid(v.versionID) {
+      throw CloudError.invalidID("conflict version id \(Identifier.quoted(v.versionID))")
+    }
+    if item.deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
     if item.itemID == WellKnownItem.root {
       throw CloudError.invalid("the container root cannot be written")
     }
     do { try ItemName.validate(item.name) } catch let e as UbiqError { throw CloudError.invalid(e.description) }
     if item.parentID == nil { throw CloudError.invalid("item \(item.itemID) has no parent") }
+    if item.itemID == WellKnownItem.documents && item.parentID != WellKnownItem.root {
+      throw CloudError.invalid("Documents stays in the container root")
+    }
     if item.kind == .symlink && (item.symlinkTarget ?? "").isEmpty {
       throw CloudError.invalid("symlink without target")
     }
     if item.size < 0 { throw CloudError.invalid("negative size") }
+    for v in item.conflicts ?? [] where v.size < 0 { throw CloudError.invalid("negative conflict version size") }
   }
 }

@@ -67,6 +67,14 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case exists(String)
   /// The bearer token is missing, unknown or revoked.
   case unauthorized(String)
+  /// An identifier (item id, parent id, version id) that does not have the one format.
+  case invalidID(String)
+  /// The parent of a live item is missing, a tombstone, or not a directory.
+  case badParent(String)
+  /// The write would make an item its own ancestor.
+  case cycle(String)
+  /// Another live item of the same parent already has the name.
+  case nameTaken(String)
 
   public var description: String {
     switch self {
@@ -79,6 +87,10 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .unavailable(let m): return "cloud unavailable: \(m)"
     case .exists(let m): return "already exists: \(m)"
     case .unauthorized(let m): return "not signed in: \(m)"
+    case .invalidID(let m): return "invalid identifier: \(m)"
+    case .badParent(let m): return "bad parent: \(m)"
+    case .cycle(let m): return "cycle: \(m)"
+    case .nameTaken(let m): return "name taken: \(m)"
     }
   }
 
@@ -91,6 +103,10 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .conflict: return EBUSY
     case .exists: return EEXIST
     case .unauthorized: return EACCES
+    case .invalidID: return EINVAL
+    case .badParent: return ENOENT
+    case .cycle: return EINVAL
+    case .nameTaken: return EEXIST
     default: return EIO
     }
   }

@@ -43,6 +43,22 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           CREATE INDEX kv_by_seq ON kv(account, container, seq);
           """)
     }
+    migrator.registerMigration("v3-item-place") { db in
+      // Each record's place, so a commit finds a live namesake through an index.
+      try db.execute(
+        sql: """
+          ALTER TABLE items ADD COLUMN parentID TEXT;
+          ALTER TABLE items ADD COLUMN name TEXT;
+          CREATE INDEX items_by_parent ON items(account, container, parentID, name);
+          """)
+      let rows = try Row.fetchAll(db, sql: "SELECT rowid, record FROM items")
+      for row in rows {
+        let item = try Self.decoder.decode(CloudItem.self, from: row["record"] as Data)
+        try db.execute(
+          sql: "UPDATE items SET parentID = ?, name = ? WHERE rowid = ?",
+          arguments: [item.parentID, item.name, row["rowid"] as Int64])
+      }
+    }
     try migrator.migrate(pool)
   }
 
@@ -92,20 +108,49 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws
-    -> CloudItem
+  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?)
+    async throws -> CloudItem
   {
     try await pool.write { db in
       guard try Self.containerExists(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
-      let current = try Data.fetchOne(
-        db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
-        arguments: [account, container, item.itemID]
-      ).map { try Self.decoder.decode(CloudItem.self, from: $0) }
+      let current = try Self.record(db, account, container, item.itemID)
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
+      if let rule, !item.deleted { try rule(try Self.treeSnapshot(db, account, container, item)) }
       return try Self.store(db, account, container, item)
     }
+  }
+
+  static func record(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws -> CloudItem? {
+    try Data.fetchOne(
+      db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
+      arguments: [account, container, itemID]
+    ).map { try decoder.decode(CloudItem.self, from: $0) }
+  }
+
+  /// The written item's `TreeSnapshot`, inside the commit's transaction.
+  static func treeSnapshot(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws
+    -> TreeSnapshot
+  {
+    var ancestors: [CloudItem] = []
+    var seen = Set<String>()
+    var next = item.parentID
+    while let id = next, ancestors.count < TreeSnapshot.maxDepth, seen.insert(id).inserted,
+      let parent = try record(db, account, container, id)
+    {
+      ancestors.append(parent)
+      if id == item.itemID { break }
+      next = parent.parentID
+    }
+    let namesake = try Data.fetchOne(
+      db,
+      sql: """
+        SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND name = ?
+        AND deleted = 0 AND itemID <> ? LIMIT 1
+        """, arguments: [account, container, item.parentID, item.name, item.itemID]
+    ).map { try decoder.decode(CloudItem.self, from: $0) }
+    return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
 
   static func store(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws -> CloudItem {
@@ -121,11 +166,16 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     record.etag = String(seq)
     try db.execute(
       sql: """
-        INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record) VALUES (?,?,?,?,?,?,?)
+        INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)
+        VALUES (?,?,?,?,?,?,?,?,?)
         ON CONFLICT(account, container, itemID) DO UPDATE SET changeSeq = excluded.changeSeq,
-          etag = excluded.etag, deleted = excluded.deleted, record = excluded.record
+          etag = excluded.etag, deleted = excluded.deleted, record = excluded.record, parentID = excluded.parentID,
+          name = excluded.name
         """,
-      arguments: [account, container, record.itemID, seq, record.etag, record.deleted, try encoder.encode(record)])
+      arguments: [
+        account, container, record.itemID, seq, record.etag, record.deleted, try encoder.encode(record),
+        record.parentID, record.name,
+      ])
     return record
   }
 
@@ -168,6 +218,24 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
+  public func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64] {
+    if hashes.isEmpty { return [:] }
+    return try await pool.read { db in
+      var found: [String: Int64] = [:]
+      for batch in stride(from: 0, to: hashes.count, by: 500) {
+        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
+        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+        for row in try Row.fetchAll(
+          db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND hash IN (\(marks))",
+          arguments: StatementArguments([account] + slice))
+        {
+          found[row["hash"]] = row["size"]
+        }
+      }
+      return found
+    }
+  }
+
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await pool.read { db in
       try Int64.fetchOne(
@@ -183,7 +251,8 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       {
         return
       }
-      if quota > 0 && used + size > quota {
+      let (total, overflow) = used.addingReportingOverflow(size)
+      if quota > 0 && (overflow || total > quota) {
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try db.execute(
@@ -389,7 +458,8 @@ public enum KVQuota {
     if otherKeys + 1 > limits.maxKeys {
       throw KeyValueError.quotaViolation("the store already holds \(otherKeys) keys (maximum \(limits.maxKeys))")
     }
-    if otherBytes + cost > limits.maxTotalBytes {
+    let (total, overflow) = otherBytes.addingReportingOverflow(cost)
+    if overflow || total > limits.maxTotalBytes {
       throw KeyValueError.quotaViolation(
         "\(otherBytes) + \(cost) bytes exceeds the store's \(limits.maxTotalBytes) bytes")
     }

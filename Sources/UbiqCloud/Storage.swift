@@ -17,8 +17,11 @@ public protocol MetadataStore: Sendable {
   func containers(account: String) async throws -> [String]
   func item(account: String, container: String, itemID: String) async throws -> CloudItem?
   /// Stores `item` with a new change sequence number and etag if the current etag matches
-  /// `ifMatch` (nil: the item must not exist or be a tombstone). Returns the stored record.
-  func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws -> CloudItem
+  /// `ifMatch` (nil: the item must not exist or be a tombstone). For a live `item`, `rule` is
+  /// called with the item's `TreeSnapshot`, read in the same transaction, and its error aborts
+  /// the write. Returns the stored record.
+  func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?) async throws
+    -> CloudItem
   func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch
   /// The newest change sequence number of a container (0 if none).
   func lastChange(account: String, container: String) async throws -> Int64
@@ -26,12 +29,34 @@ public protocol MetadataStore: Sendable {
   func knownChunks(account: String, hashes: [String]) async throws -> Set<String>
   /// The size of a chunk recorded for the account (nil if the account has no such chunk).
   func chunkSize(account: String, hash: String) async throws -> Int64?
+  /// The recorded sizes of those of `hashes` the account holds.
+  func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64]
   /// Records a stored chunk and charges it to the quota; throws `CloudError.quotaExceeded`
   /// (and records nothing) if it does not fit.
   func recordChunk(account: String, hash: String, size: Int64) async throws
   func usage(account: String) async throws -> Usage
   func setQuota(account: String, bytes: Int64) async throws
 }
+
+/// The part of a container's tree a commit's rule needs, read inside the commit's
+/// transaction: the new parent's ancestry and a live namesake.
+public struct TreeSnapshot: Sendable {
+  /// The new parent, its parent, and so on: up to the root, a missing record, a repeated id,
+  /// or the written item itself (included, so a would-be cycle shows), at most
+  /// `TreeSnapshot.maxDepth` records.
+  public var ancestors: [CloudItem]
+  /// A live item, other than the written one, with the same parent and name.
+  public var namesake: CloudItem?
+  public init(ancestors: [CloudItem], namesake: CloudItem?) {
+    self.ancestors = ancestors
+    self.namesake = namesake
+  }
+  /// The deepest ancestry an engine reads; deeper trees are refused as cycles.
+  public static let maxDepth = 4096
+}
+
+/// A check of a commit against the tree, run by the engine inside the commit's transaction.
+public typealias TreeRule = @Sendable (TreeSnapshot) throws -> Void
 
 /// One bearer token of an account: the device it was issued to and whether it was revoked.
 /// Only the token's SHA-256 is ever stored.

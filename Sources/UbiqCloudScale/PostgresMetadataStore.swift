@@ -132,6 +132,13 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       PRIMARY KEY(account, container, key))
     """,
     "CREATE INDEX IF NOT EXISTS kv_by_seq ON kv(account, container, seq)",
+    // Each record's place, so a commit finds a live namesake through an index.
+    "ALTER TABLE items ADD COLUMN IF NOT EXISTS parent_id TEXT",
+    "ALTER TABLE items ADD COLUMN IF NOT EXISTS name TEXT",
+    """
+    UPDATE items SET parent_id = record::jsonb->>'parentID', name = record::jsonb->>'name' WHERE name IS NULL
+    """,
+    "CREATE INDEX IF NOT EXISTS items_by_parent ON items(account, container, parent_id, name)",
   ]
 
   static func first<T: PostgresDecodable & Sendable>(_ rows: PostgresRowSequence, _ type: T.Type) async throws -> T? {
@@ -183,8 +190,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?) async throws
-    -> CloudItem
+  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?)
+    async throws -> CloudItem
   {
     try await transaction { conn in
       // The container row lock serializes commits per container: sequence numbers are handed
@@ -202,8 +209,46 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           """, logger: log), String.self
       ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
+      if let rule, !item.deleted { try rule(try await self.treeSnapshot(conn, account, container, item)) }
       return try await self.store(conn, account, container, item)
     }
+  }
+
+  func record(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String) async throws
+    -> CloudItem?
+  {
+    try await Self.first(
+      try await conn.query(
+        "SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)",
+        logger: log), String.self
+    ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+  }
+
+  /// The written item's `TreeSnapshot`, inside the commit's transaction.
+  func treeSnapshot(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem)
+    async throws -> TreeSnapshot
+  {
+    var ancestors: [CloudItem] = []
+    var seen = Set<String>()
+    var next = item.parentID
+    while let id = next, ancestors.count < TreeSnapshot.maxDepth, seen.insert(id).inserted,
+      let parent = try await record(conn, account, container, id)
+    {
+      ancestors.append(parent)
+      if id == item.itemID { break }
+      next = parent.parentID
+    }
+    var namesake: CloudItem? = nil
+    if let parentID = item.parentID {
+      namesake = try await Self.first(
+        try await conn.query(
+          """
+          SELECT record FROM items WHERE account = \(account) AND container = \(container)
+          AND parent_id = \(parentID) AND name = \(item.name) AND NOT deleted AND item_id <> \(item.itemID) LIMIT 1
+          """, logger: log), String.self
+      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+    }
+    return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
 
   func store(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem) async throws
@@ -223,10 +268,12 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     let json = String(decoding: try Self.encoder.encode(record), as: UTF8.self)
     try await conn.query(
       """
-      INSERT INTO items(account, container, item_id, change_seq, etag, deleted, record)
-      VALUES (\(account), \(container), \(record.itemID), \(seq), \(record.etag), \(record.deleted), \(json))
+      INSERT INTO items(account, container, item_id, change_seq, etag, deleted, record, parent_id, name)
+      VALUES (\(account), \(container), \(record.itemID), \(seq), \(record.etag), \(record.deleted), \(json),
+        \(record.parentID), \(record.name))
       ON CONFLICT (account, container, item_id) DO UPDATE SET change_seq = EXCLUDED.change_seq,
-        etag = EXCLUDED.etag, deleted = EXCLUDED.deleted, record = EXCLUDED.record
+        etag = EXCLUDED.etag, deleted = EXCLUDED.deleted, record = EXCLUDED.record, parent_id = EXCLUDED.parent_id,
+        name = EXCLUDED.name
       """, logger: log)
     return record
   }
@@ -273,6 +320,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
+  public func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64] {
+    if hashes.isEmpty { return [:] }
+    return try await read { conn in
+      var found: [String: Int64] = [:]
+      for batch in stride(from: 0, to: hashes.count, by: 1000) {
+        let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+        for try await (h, size) in try await conn.query(
+          "SELECT hash, size FROM chunks WHERE account = \(account) AND hash = ANY(\(slice))", logger: log
+        ).decode((String, Int64).self) {
+          found[h] = size
+        }
+      }
+      return found
+    }
+  }
+
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await read { conn in
       try await Self.first(
@@ -290,7 +353,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       {
         return
       }
-      if quota > 0 && used + size > quota {
+      let (total, overflow) = used.addingReportingOverflow(size)
+      if quota > 0 && (overflow || total > quota) {
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try await conn.query(

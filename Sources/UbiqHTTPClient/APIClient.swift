@@ -116,6 +116,10 @@ public struct APIClient: Sendable {
       if let current = parsed?.current { return CloudError.conflict(current: current) }
       return CloudError.invalid(message)
     case (409, "exists"): return CloudError.exists(message)
+    case (409, "bad_parent"): return CloudError.badParent(message)
+    case (409, "cycle"): return CloudError.cycle(message)
+    case (409, "name_taken"): return CloudError.nameTaken(message)
+    case (400, "invalid_id"): return CloudError.invalidID(message)
     case (_, "missing_chunks"): return CloudError.missingChunks(parsed?.missing ?? [])
     case (_, "hash_mismatch"): return CloudError.hashMismatch(message)
     case (_, "kv_quota"): return KeyValueError.quotaViolation(message)

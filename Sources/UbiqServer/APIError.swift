@@ -99,6 +99,10 @@ public struct APIError: Error, Sendable {
     case .unavailable: return APIError(.serviceUnavailable, "unavailable", e.description)
     case .exists: return APIError(.conflict, "exists", e.description)
     case .unauthorized: return .unauthorized(e.description)
+    case .invalidID: return .badRequest("invalid_id", e.description)
+    case .badParent: return APIError(.conflict, "bad_parent", e.description)
+    case .cycle: return APIError(.conflict, "cycle", e.description)
+    case .nameTaken: return APIError(.conflict, "name_taken", e.description)
     }
   }
 }

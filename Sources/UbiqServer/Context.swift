@@ -23,7 +23,7 @@ public struct UbiqRequestContext: RequestContext {
 }
 
 /// Resolves `Authorization: Bearer <token>` to an account via the token's SHA-256. Missing,
-/// unknown and revoked tokens get 401; nothing is cached, so a revocation is effective on
+/// malformed, unknown and revoked tokens get 401; nothing is cached, so a revocation is effective on
 /// every server process at once.
 struct AuthMiddleware: RouterMiddleware {
   typealias Context = UbiqRequestContext
@@ -39,9 +39,9 @@ struct AuthMiddleware: RouterMiddleware {
       throw APIError.unauthorized("missing bearer token")
     }
     let parts = header.split(separator: " ", maxSplits: 1)
-    guard parts.count == 2, parts[0].lowercased() == "bearer", !parts[1].isEmpty, parts[1].utf8.count <= 256 else {
+    guard parts.count == 2, parts[0].lowercased() == "bearer", BearerToken.isWellFormed(parts[1]) else {
       metrics.authFailures.increment()
-      throw APIError.unauthorized("the Authorization header must be 'Bearer <token>'")
+      throw APIError.unauthorized("the Authorization header must be 'Bearer ubq_<64 hex digits>'")
     }
     guard let record = try await accounts.token(hash: BearerToken.hash(String(parts[1]))) else {
       metrics.authFailures.increment()

@@ -35,6 +35,12 @@ enum HTTPHelpers {
     if containsLoneSurrogateEscape(data) {
       throw APIError.badRequest("invalid_utf8", "the request body escapes an unpaired UTF-16 surrogate")
     }
+    if data.starts(with: [0xEF, 0xBB, 0xBF]) {
+      throw APIError.badRequest("bad_json", "the request body starts with a byte-order mark")
+    }
+    if let key = duplicateKey(data) {
+      throw APIError.badRequest("bad_json", "the key '\(key.prefix(80))' appears twice in one object")
+    }
     do {
       return try decoder.decode(T.self, from: data)
     } catch let DecodingError.keyNotFound(key, _) {
@@ -48,6 +54,57 @@ enum HTTPHelpers {
     } catch {
       throw APIError.badRequest("bad_json", "the request body is not valid JSON for \(T.self)")
     }
+  }
+
+  /// The first key that appears twice in one JSON object, if any (JSON leaves the meaning of
+  /// duplicates open, so they are refused). One pass with an explicit stack, so nesting depth
+  /// costs no recursion; text that is not JSON yields nil and is left to the decoder.
+  static func duplicateKey(_ data: Data) -> String? {
+    let bytes = [UInt8](data)
+    // One entry per open object (its keys so far) or array (nil).
+    var stack: [Set<[UInt8]>?] = []
+    var expectKey = false
+    var i = 0
+    while i < bytes.count {
+      switch bytes[i] {
+      case UInt8(ascii: "{"):
+        stack.append([])
+        expectKey = true
+      case UInt8(ascii: "["):
+        stack.append(nil)
+        expectKey = false
+      case UInt8(ascii: "}"), UInt8(ascii: "]"):
+        if !stack.isEmpty { stack.removeLast() }
+        expectKey = false
+      case UInt8(ascii: ","):
+        expectKey = stack.last.map { $0 != nil } ?? false
+      case UInt8(ascii: "\""):
+        var j = i + 1
+        var escaped = false
+        while j < bytes.count && bytes[j] != UInt8(ascii: "\"") {
+          if bytes[j] == UInt8(ascii: "\\") {
+            escaped = true
+            j += 1
+          }
+          j += 1
+        }
+        guard j < bytes.count else { return nil }
+        if expectKey, !stack.isEmpty, stack[stack.count - 1] != nil {
+          var key = Array(bytes[(i + 1)..<j])
+          if escaped {
+            guard let decoded = try? decoder.decode(String.self, from: Data(bytes[i...j])) else { return nil }
+            key = Array(decoded.utf8)
+          }
+          if !stack[stack.count - 1]!.insert(key).inserted { return String(decoding: key, as: UTF8.self) }
+          expectKey = false
+        }
+        i = j
+      default:
+        break
+      }
+      i += 1
+    }
+    return nil
   }
 
   /// True if the JSON text contains `\uD800`-`\uDFFF` escapes that do not form a pair (they
@@ -109,6 +166,15 @@ enum HTTPHelpers {
       throw APIError.badRequest("invalid_utf8", "path parameter \(name) is not valid percent-encoded UTF-8")
     }
     return decoded
+  }
+
+  /// The `item` path parameter, which must have the identifier format (docs/protocol.md).
+  static func itemID(_ context: UbiqRequestContext) throws -> String {
+    let id = try param(context, "item")
+    guard Identifier.isValid(id) else {
+      throw APIError.badRequest("invalid_id", "item id \(Identifier.quoted(id)) is not 1-128 of A-Z a-z 0-9 . - _")
+    }
+    return id
   }
 
   static func container(_ context: UbiqRequestContext) throws -> ContainerID {

@@ -122,7 +122,7 @@ struct APIRoutes: Sendable {
 
   @Sendable func getItem(_ request: Request, context: Ctx) async throws -> Response {
     let c = try H.container(context)
-    let itemID = try H.param(context, "item")
+    let itemID = try H.itemID(context)
     guard let item = try await engine(context).item(c, itemID: itemID) else {
       throw APIError(.notFound, "not_found", "no item \(itemID) in \(c)")
     }
@@ -131,7 +131,7 @@ struct APIRoutes: Sendable {
 
   @Sendable func putItem(_ request: Request, context: Ctx) async throws -> Response {
     let c = try H.container(context)
-    let itemID = try H.param(context, "item")
+    let itemID = try H.itemID(context)
     let item = try H.json(CloudItem.self, try await H.body(request, limit: limits.maxJSONBytes))
     guard item.itemID == itemID else {
       throw APIError.badRequest("invalid", "the body's itemID '\(item.itemID)' does not match the path")
@@ -155,7 +155,7 @@ struct APIRoutes: Sendable {
 
   @Sendable func deleteItem(_ request: Request, context: Ctx) async throws -> Response {
     let c = try H.container(context)
-    let itemID = try H.param(context, "item")
+    let itemID = try H.itemID(context)
     let identity = try context.requireIdentity()
     let device = request.uri.queryParameters.get("device") ?? identity.device
     let stored: CloudItem

@@ -109,8 +109,54 @@ func parseListen(_ s: String) throws -> (String, Int) {
 /// data folder or database is reachable; it does not need the server to be running).
 struct ServerCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "server", abstract: "Manage server accounts and tokens (works on the server's storage directly).",
-    subcommands: [AccountGroup.self, TokenGroup.self])
+    commandName: "server",
+    abstract: "Manage server accounts and tokens, check stored trees (works on the server's storage directly).",
+    subcommands: [AccountGroup.self, TokenGroup.self, Check.self])
+
+  /// `ubiqfs server check [--repair]`: the tree invariants over every stored container.
+  struct Check: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      abstract: "Check every container's tree (parents, loops, names); exits 1 if problems remain.",
+      discussion: """
+        --repair moves items under a missing, deleted or non-directory parent, and one member of \
+        every loop of parents, into Documents/lost+found, and renames later namesakes to "name 2"; \
+        it never deletes. Repairs are ordinary commits, so clients pick them up from the change feed.
+        """)
+    @Flag(help: "Repair what is found (moves and renames only).") var repair = false
+    @OptionGroup var storage: StorageOptions
+
+    func run() throws {
+      try cli {
+        let repair = self.repair
+        let (lines, remaining) = try storage.withBackend { backend -> ([String], Int) in
+          var lines: [String] = []
+          var remaining = 0
+          for account in try await backend.metadata.accounts() {
+            let engine = backend.engine(account: account)
+            for c in try await engine.containers() {
+              let container = try ContainerID(c)
+              let report = try await engine.checkTree(container, repair: repair)
+              lines += report.problems.map { "\(account)\t\(c)\t\($0)" }
+              if repair && report.repaired > 0 {
+                lines.append("\(account)\t\(c)\trepaired \(report.repaired)")
+                remaining += try await engine.checkTree(container, repair: false).problems.count
+              } else {
+                remaining += report.problems.count
+              }
+            }
+          }
+          return (lines, remaining)
+        }
+        lines.forEach { print($0) }
+        if remaining > 0 {
+          eprint(
+            "ubiqfs: \(remaining) tree problem\(remaining == 1 ? "" : "s") left\(repair ? "" : " (run with --repair)")")
+          throw ExitCode.failure
+        }
+        print("tree check: no problems left")
+      }
+    }
+  }
 
   struct AccountGroup: ParsableCommand {
     static let configuration = CommandConfiguration(

@@ -46,6 +46,11 @@ func cli(_ body: () throws -> Void) throws {
 
 /// Parses and runs; usage errors print one `ubiqfs: ...` line (help still prints in full).
 func runCLI() -> Never {
+  // Everything ubiqfs itself writes to disk is private state (client indexes, key-value
+  // mirrors, content caches, tokens; the server's database and blobs): folders are created
+  // 0700 and files 0600 by the system, with no window in which they are readable by others.
+  // Files seen through a mount take their modes from the index, not from this mask.
+  umask(0o077)
   do {
     var command = try Ubiqfs.parseAsRoot(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))
     try command.run()

@@ -1,0 +1,289 @@
+"""What the server refuses from clients (docs/protocol.md, "Tree invariants" and "Identifiers
+and numbers"), on both engines: tree invariants checked inside the commit, range-checked
+numbers, the one identifier format, malformed tokens, and a fuzz-ish sweep that must only
+ever produce JSON 2xx/4xx answers while the server keeps serving. Also `ubiqfs server check`."""
+
+from __future__ import annotations
+
+import json
+import random
+import sqlite3
+import subprocess
+import urllib.parse
+
+import pytest
+from test_api import C, CQ, error, item, put_file, sha
+from ubiqstack import Api, PostgresCluster, run_cli
+
+INT64_MAX = 2**63 - 1
+
+
+def folder(item_id: str, name: str, parent: str = "documents") -> dict:
+    return item(item_id, name, kind=2, parent=parent)
+
+
+def put(api: Api, rec: dict, if_match: str | None = None):
+    headers = {"If-Match": f'"{if_match}"'} if if_match else {}
+    return api.put(f"{CQ}/items/{Api.q(rec['itemID'])}", rec, headers=headers)
+
+
+# ---------------------------------------------------------------------------- tree invariants
+
+
+def test_parent_must_exist_be_a_live_directory(api):
+    api.ensure_container(C)
+    error(put(api, folder("d-orphan", "orphan", parent="no-such-item")), 409, "bad_parent")
+    assert put_file(api, "f1", "file.txt", b"data").status == 201
+    error(put(api, folder("d-under-file", "x", parent="f1")), 409, "bad_parent")
+    d = put(api, folder("d1", "dir")).json()
+    assert api.delete(f"{CQ}/items/d1", headers={"If-Match": f'"{d["etag"]}"'}).status == 200
+    error(put(api, folder("d-under-tombstone", "x", parent="d1")), 409, "bad_parent")
+    # The container root and Documents are directories: children are fine.
+    assert put(api, folder("top", "top", parent="root")).status == 201
+    # Nothing refused was stored.
+    for bad in ("d-orphan", "d-under-file", "d-under-tombstone"):
+        error(api.get(f"{CQ}/items/{bad}"), 404, "not_found")
+
+
+def test_cycles_are_refused(api):
+    api.ensure_container(C)
+    error(put(api, folder("self", "self", parent="self")), 409, "cycle")
+    x = put(api, folder("x", "x")).json()
+    y = put(api, folder("y", "y", parent="x")).json()
+    z = put(api, folder("z", "z", parent="y")).json()
+    # Moving x under y (y is under x) or under z (two levels down) would make a cycle.
+    error(put(api, folder("x", "x", parent="y"), if_match=x["etag"]), 409, "cycle")
+    error(put(api, folder("x", "x", parent="z"), if_match=x["etag"]), 409, "cycle")
+    error(put(api, folder("x", "x", parent="x"), if_match=x["etag"]), 409, "cycle")
+    # Documents cannot move at all (so never under one of its descendants).
+    docs = api.get(f"{CQ}/items/documents").json()
+    error(put(api, dict(docs, parentID="x"), if_match=docs["etag"]), 400, "invalid")
+    assert api.get(f"{CQ}/items/x").json()["parentID"] == "documents"
+    # A legal move still works.
+    assert put(api, folder("z", "z", parent="x"), if_match=z["etag"]).status == 200
+    assert y["parentID"] == "x"
+
+
+def test_one_live_name_per_parent(api):
+    api.ensure_container(C)
+    a = put(api, folder("a", "same")).json()
+    error(put(api, folder("b", "same")), 409, "name_taken")
+    # Another folder may use the name; a deleted item frees it.
+    assert put(api, folder("c", "same", parent="a")).status == 201
+    # Renaming an item to its own name is not a clash.
+    a = put(api, dict(folder("a", "same"), mode=0o700), if_match=a["etag"]).json()
+    assert api.delete(f"{CQ}/items/c", headers={"If-Match": '"%s"' % api.get(f"{CQ}/items/c").json()["etag"]}).status == 200
+    assert api.delete(f"{CQ}/items/a", headers={"If-Match": f'"{a["etag"]}"'}).status == 200
+    assert put(api, folder("b", "same")).status == 201
+
+
+# ---------------------------------------------------------------------------- numbers
+
+
+def test_chunk_lengths_are_range_checked(server, api):
+    api.ensure_container(C)
+    data = b"hello"
+    assert api.put(f"/v1/chunks/{sha(data)}", data).status == 201
+    h = sha(data)
+    # Lengths that overflow Int64 when added.
+    rec = dict(item("big", "big.bin"), size=INT64_MAX, chunks=[{"hash": h, "length": INT64_MAX}, {"hash": h, "length": 1}])
+    error(put(api, rec), 400, "invalid")
+    rec = dict(item("big", "big.bin"), size=0, chunks=[{"hash": h, "length": INT64_MAX}, {"hash": h, "length": 1}])
+    error(put(api, rec), 400, "invalid")
+    # Negative and zero lengths that add up to the size.
+    error(put(api, dict(item("neg", "neg.bin"), size=0, chunks=[{"hash": h, "length": 5}, {"hash": h, "length": -5}])), 400, "invalid")
+    error(put(api, dict(item("zero", "zero.bin"), size=0, chunks=[{"hash": h, "length": 0}])), 400, "invalid")
+    # A length that is not the stored chunk's size.
+    error(put(api, dict(item("lie", "lie.bin"), size=3, chunks=[{"hash": h, "length": 3}])), 400, "invalid")
+    # The same rules for conflict versions.
+    good = item("good", "good.bin", data)
+    bad_conflict = {"versionID": "v1", "deviceID": "d", "mtimeNs": 1, "size": 0, "chunks": [{"hash": h, "length": 5}, {"hash": h, "length": -5}]}
+    error(put(api, dict(good, conflicts=[bad_conflict])), 400, "invalid")
+    assert put(api, good).status == 201
+    # Negative sizes and numbers that do not fit the field's type.
+    error(put(api, dict(item("ns", "ns.bin"), size=-1)), 400, "invalid")
+    error(put(api, dict(item("huge", "huge.bin"), size=2**64)), 400, "bad_json")
+    error(put(api, dict(item("mode", "mode.bin"), mode=-1)), 400, "bad_json")
+    assert api.get("/v1/usage").status == 200
+    assert server.proc.poll() is None
+
+
+# ---------------------------------------------------------------------------- identifiers
+
+
+@pytest.mark.parametrize("raw", ["..", ".", "%2Fetc%2Fpasswd", "a%00b", "a%2Fb", "a%20b", "%C3%A9", "x" * 129, ".hidden"])
+def test_bad_item_ids_are_refused(api, raw):
+    api.ensure_container(C)
+    decoded = urllib.parse.unquote(raw)
+    r = api.put(f"{CQ}/items/{raw}", folder(decoded, "n"))
+    error(r, 400, "invalid_id")
+    error(api.get(f"{CQ}/items/{raw}"), 400, "invalid_id")
+    error(api.delete(f"{CQ}/items/{raw}"), 400, "invalid_id")
+
+
+def test_good_item_ids_are_accepted(api):
+    api.ensure_container(C)
+    for i, good in enumerate(["5ebf733f-c243-47ea-aa1f-488dd914aa1e", "A_b.c-9", "x" * 128]):
+        assert put(api, folder(good, f"n{i}")).status == 201
+
+
+def test_bad_parent_ids_are_refused(api):
+    api.ensure_container(C)
+    error(put(api, folder("p1", "p1", parent="../documents")), 400, "invalid_id")
+
+
+def test_malformed_bearer_tokens_get_401(server):
+    anon = Api(server.url)
+    for header in ["Bearer", "Bearer ", "Bearer  x", "bearer x y", "Bearer ubq_zz", "Bearer " + "a" * 5000, "Token abc",
+                   "Bearer\tabc", "Bearer ubq_" + "A" * 64, "Bearer ubq_" + "0" * 63, "Bearer ubq_" + "0" * 64 + " x",
+                   "Bearer \u00e9"]:
+        error(anon.get("/v1/account", headers={"Authorization": header}), 401, "unauthorized")
+
+
+def test_kv_value_over_the_limit_gets_the_quota_error(api):
+    api.ensure_container(C)
+    body = json.dumps({"value": "v" * (1 << 20), "timestamp": 1}).encode()
+    got = error(api.put(f"{CQ}/kv/big", body), 507, "kv_quota")
+    assert got["errno"] == "EDQUOT"
+    error(api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": -1}), 400, "invalid")
+    error(api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": 1, "device": "d" * 200}), 400, "invalid")
+    assert api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": 1}).status == 200
+
+
+def test_json_with_a_bom_or_duplicate_keys_is_refused(api):
+    api.ensure_container(C)
+    body = json.dumps(folder("bom", "bom")).encode()
+    error(api.put(f"{CQ}/items/bom", b"\xef\xbb\xbf" + body), 400, "bad_json")
+    dup = body[:-1] + b', "parentID": "root"}'
+    error(api.put(f"{CQ}/items/bom", dup), 400, "bad_json")
+    nested = json.dumps(dict(folder("bom", "bom"), xattrs={"a": "eA=="})).encode().replace(b'{"a": "eA=="}', b'{"a": "eA==", "a": "eQ=="}')
+    error(api.put(f"{CQ}/items/bom", nested), 400, "bad_json")
+    # Equal keys in different objects are fine.
+    ok = json.dumps(dict(folder("bom", "bom"), xattrs={"name": "eA=="})).encode()
+    assert api.put(f"{CQ}/items/bom", ok).status == 201
+
+
+# ---------------------------------------------------------------------------- fuzz
+
+
+def _rand_value(rng: random.Random):
+    return rng.choice(
+        [None, True, -1, 0, 1, INT64_MAX, -(2**63), 2**64, 1e308, -1.5, "", "x" * 300, "..", "/etc/passwd",
+         "a\u0000b", [], {}, [1, 2], {"k": "v"}, "\ud7ff", "root", "documents"]
+    )
+
+
+def test_fuzz_every_answer_is_json_2xx_or_4xx(server, api):
+    api.ensure_container(C)
+    data = b"fuzz"
+    assert api.put(f"/v1/chunks/{sha(data)}", data).status == 201
+    rng = random.Random(1234)
+    base = item("fz", "fz.txt", data)
+    requests: list[tuple[str, str, object]] = []
+    # Item records with each field replaced by something odd.
+    for field in list(base) + ["conflicts"]:
+        for _ in range(4):
+            rec = dict(base)
+            rec[field] = _rand_value(rng)
+            requests.append(("PUT", f"{CQ}/items/fz", rec))
+    for lengths in ([INT64_MAX, 1], [5, -5], [-1], [0], [2**63], [4, 0]):
+        for size in (0, len(data), INT64_MAX):
+            rec = dict(base, itemID="fl", chunks=[{"hash": sha(data), "length": n} for n in lengths], size=size)
+            requests.append(("PUT", f"{CQ}/items/fl", rec))
+    for bad_id in ["..", "%2Fetc%2Fpasswd", "a%00b", "a%2Fb", "%ff", "%", "x" * 500]:
+        requests += [
+            ("PUT", f"{CQ}/items/{bad_id}", dict(base, itemID=bad_id)),
+            ("GET", f"{CQ}/items/{bad_id}", None),
+            ("DELETE", f"{CQ}/items/{bad_id}", None),
+            ("GET", f"/v1/chunks/{bad_id}", None),
+            ("PUT", f"{CQ}/kv/{bad_id}", {"value": 1, "timestamp": 1}),
+            ("PUT", f"/v1/containers/{bad_id}", None),
+        ]
+    for q in ["since=-1", f"since={2**63}", "since=1e3", "limit=0", "limit=-5", f"limit={2**64}", "since=%00"]:
+        requests.append(("GET", f"{CQ}/changes?{q}", None))
+        requests.append(("GET", f"{CQ}/kv?{q}", None))
+    for q in ["timestamp=-1", f"timestamp={2**64}", "timestamp=x", "device=" + "d" * 300]:
+        requests.append(("DELETE", f"{CQ}/kv/k?{q}", None))
+    for body in [b"", b"null", b"[]", b"{}", b'{"value": 1, "timestamp": "x"}', b'{"value": 1, "timestamp": 1e400}',
+                 b'{"value": 1, "timestamp": 18446744073709551616}', b"\xef\xbb\xbf{}", b"{" * 10000]:
+        requests.append(("PUT", f"{CQ}/kv/k", body))
+        requests.append(("PUT", f"{CQ}/items/fz", body))
+        requests.append(("POST", "/v1/chunks/missing", body))
+        requests.append(("POST", "/v1/devices", body))
+    for rng_header in ["bytes=0-", f"bytes={INT64_MAX}-", f"bytes=-{INT64_MAX}", f"bytes=0-{INT64_MAX}", "bytes=-0", "bytes=5-1", "bytes=a-b"]:
+        requests.append(("GET", f"/v1/chunks/{sha(data)}", {"__headers": {"Range": rng_header}}))
+    requests.append(("POST", "/v1/chunks/missing", {"hashes": [1, None, "x"]}))
+    requests.append(("POST", "/v1/devices", {"name": "\u0000"}))
+    for method, path, body in requests:
+        headers = None
+        if isinstance(body, dict) and "__headers" in body:
+            headers, body = body["__headers"], None
+        r = api.request(method, path, body, headers=headers)
+        assert r.status < 500 or (r.status == 507 and r.json()["code"] in ("kv_quota", "quota_exceeded")), (method, path, body, r)
+        if r.status >= 400:
+            assert r.headers.get("content-type", "").startswith("application/json"), (method, path, r)
+            assert r.json()["code"], (method, path, r)
+        assert server.proc.poll() is None, (method, path, body)
+    assert api.get("/v1/usage").status == 200
+
+
+# ---------------------------------------------------------------------------- server check
+
+
+def _corrupt(storage, records: list[dict], account: str) -> None:
+    """Writes item records straight into the metadata store, bypassing the server's rules."""
+    if storage.kind == "embedded":
+        db = sqlite3.connect(storage.data / "cloud.sqlite")
+        with db:
+            for rec in records:
+                seq = db.execute("SELECT lastSeq + 1 FROM containers WHERE account = ? AND container = ?", (account, C)).fetchone()[0]
+                db.execute("UPDATE containers SET lastSeq = ? WHERE account = ? AND container = ?", (seq, account, C))
+                rec = dict(rec, changeSeq=seq, etag=str(seq))
+                db.execute(
+                    "INSERT OR REPLACE INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)"
+                    " VALUES (?,?,?,?,?,?,?,?,?)",
+                    (account, C, rec["itemID"], seq, rec["etag"], 0, json.dumps(rec).encode(), rec["parentID"], rec["name"]),
+                )
+        db.close()
+        return
+    psql = f"{PostgresCluster.bindir()}/psql"
+    for rec in records:
+        sql = f"""
+        WITH s AS (UPDATE containers SET last_seq = last_seq + 1 WHERE account = '{account}' AND container = '{C}' RETURNING last_seq)
+        INSERT INTO items(account, container, item_id, change_seq, etag, deleted, record, parent_id, name)
+        SELECT '{account}', '{C}', '{rec["itemID"]}', s.last_seq, s.last_seq::text, false,
+          '{json.dumps(rec)}', '{rec["parentID"]}', '{rec["name"]}' FROM s
+        ON CONFLICT (account, container, item_id) DO UPDATE SET record = EXCLUDED.record, parent_id = EXCLUDED.parent_id
+        """
+        subprocess.run([psql, "-q", "-v", "ON_ERROR_STOP=1", storage.pg.url.replace("?sslmode=disable", ""), "-c", sql], check=True, capture_output=True)
+
+
+def test_server_check_reports_and_repairs_bad_trees(storage, api):
+    api.ensure_container(C)
+    assert put(api, folder("ok", "ok")).status == 201
+    check = ["server", "check", *storage.args()]
+    clean = run_cli(*check, env_extra=storage.env(), check=False)
+    assert clean.returncode == 0, clean
+    _corrupt(
+        storage,
+        [folder("orphan", "orphan", parent="gone"), folder("cy1", "cy1", parent="cy2"), folder("cy2", "cy2", parent="cy1"),
+         folder("kid", "kid", parent="cy1")],
+        api.account,
+    )
+    found = run_cli(*check, env_extra=storage.env(), check=False)
+    assert found.returncode != 0, found
+    out = found.stdout + found.stderr
+    assert "orphan" in out and "cy1" in out and "cy2" in out, out
+    repaired = run_cli(*check, "--repair", env_extra=storage.env(), check=False)
+    assert repaired.returncode == 0, repaired
+    assert run_cli(*check, env_extra=storage.env(), check=False).returncode == 0
+    # Nothing was deleted: the orphan and the cycle's members now live in Documents/lost+found;
+    # the cycle's other children stay where they were.
+    items = {i["itemID"]: i for i in api.all_items(C)}
+    lf = [i for i in items.values() if i["name"] == "lost+found" and i["parentID"] == "documents" and not i["deleted"]]
+    assert len(lf) == 1 and lf[0]["kind"] == 2
+    assert items["orphan"]["parentID"] == lf[0]["itemID"] and not items["orphan"]["deleted"]
+    moved = [i for i in ("cy1", "cy2") if items[i]["parentID"] == lf[0]["itemID"]]
+    assert moved, items
+    assert items["kid"]["parentID"] == "cy1" and not items["kid"]["deleted"]
+    assert not any(i["deleted"] for i in items.values())
