@@ -8,20 +8,24 @@ import UbiqSync
   import Glibc
 #endif
 
-/// A container's state folder with its daemon record (if mounted) and its index.
+/// A container's state folder with its daemon record (if mounted), the record of a daemon
+/// that crashed (if one did), and its index.
 struct ContainerState {
   let dir: URL
   let daemon: DaemonRecord?
+  let crashed: CrashedDaemon?
   let container: String
   let account: String
 
   static func all(_ paths: Paths) -> [ContainerState] {
     paths.allContainerDirs().compactMap { dir in
       guard FileManager.default.fileExists(atPath: dir.appendingPathComponent("index.sqlite").path) else { return nil }
-      let d = DaemonRecord.load(dir).flatMap { $0.isAlive ? $0 : nil }
+      // A record from before the last boot is no crash: that mount ended with the machine.
+      let record = DaemonRecord.load(dir).flatMap { $0.startedThisBoot ? $0 : nil }
+      let alive = record?.isAlive == true
       return ContainerState(
-        dir: dir, daemon: d, container: dir.lastPathComponent,
-        account: dir.deletingLastPathComponent().lastPathComponent)
+        dir: dir, daemon: alive ? record : nil, crashed: alive ? nil : record.map(CrashedDaemon.init),
+        container: dir.lastPathComponent, account: dir.deletingLastPathComponent().lastPathComponent)
     }
   }
 
@@ -32,20 +36,26 @@ struct ContainerState {
   /// The mounted container holding `path`, and the path's inode in it.
   static func locate(_ path: String, _ paths: Paths) throws -> (ContainerState, Int64) {
     let abs = absolutePath(path)
-    let mounted = all(paths).filter { $0.daemon != nil }
-    guard
-      let state = mounted.filter({ abs == $0.daemon!.mountpoint || abs.hasPrefix($0.daemon!.mountpoint + "/") })
-        .max(by: { $0.daemon!.mountpoint.count < $1.daemon!.mountpoint.count })
-    else { throw UbiqError.invalidArgument("\(abs) is not inside a ubiqfs mount") }
+    func holds(_ mountpoint: String) -> Bool { abs == mountpoint || abs.hasPrefix(mountpoint + "/") }
+    let states = all(paths)
+    let state = states.filter { $0.daemon.map { holds($0.mountpoint) } ?? false }
+      .max { $0.daemon!.mountpoint.count < $1.daemon!.mountpoint.count }
+    guard let state else {
+      if let crash = states.compactMap(\.crashed).first(where: { holds($0.mountpoint) }) {
+        throw MountPointError.daemonCrashed(crash)
+      }
+      throw UbiqError.invalidArgument("\(abs) is not inside a ubiqfs mount (see 'ubiqfs status' for mounts)")
+    }
     var st = stat()
     guard lstat(abs, &st) == 0 else { throw UbiqError.notFound(abs) }
     return (state, Int64(st.st_ino))
   }
 }
 
+/// `ubiqfs status`: mounts, crashed daemons, pending uploads and upload errors.
 struct StatusCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "status", abstract: "Show mounts, pending uploads and upload errors.")
+    commandName: "status", abstract: "Show mounts, crashed daemons, pending uploads and upload errors.")
 
   @Argument(help: "Only the mount holding this path.") var path: String?
   @Flag(help: "Machine-readable output.") var json = false
@@ -59,6 +69,8 @@ struct StatusCommand: ParsableCommand {
     var account: String
     var mountpoint: String?
     var pid: Int32?
+    /// Set when the daemon died without unmounting.
+    var crashed: CrashedDaemon?
     var queue: QueueSummary
     var uploading: [UploadProgress]
   }
@@ -104,7 +116,7 @@ struct StatusCommand: ParsableCommand {
         reports.append(
           Report(
             container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
-            queue: summary, uploading: uploading))
+            crashed: s.crashed, queue: summary, uploading: uploading))
       }
       if json {
         let enc = JSONEncoder()
@@ -115,7 +127,7 @@ struct StatusCommand: ParsableCommand {
       if reports.isEmpty { print("no containers (nothing mounted yet)") }
       let now = Clock.nowNs()
       for r in reports {
-        let where_ = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? "not mounted"
+        let where_ = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? r.crashed?.summary ?? "not mounted"
         print("\(r.container) [account \(r.account)]: \(where_)")
         let q = r.queue
         if q.pendingItems == 0 && q.pendingDeletes == 0 {
@@ -137,6 +149,7 @@ struct StatusCommand: ParsableCommand {
   }
 }
 
+/// `ubiqfs sync`: makes waiting uploads due now and, with --wait, waits for them.
 struct SyncCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.")
@@ -152,9 +165,16 @@ struct SyncCommand: ParsableCommand {
       if let path {
         targets = [try ContainerState.locate(path, location.paths)]
       } else {
-        targets = ContainerState.all(location.paths).filter { $0.daemon != nil }.map { ($0, IndexStore.rootInode) }
+        let states = ContainerState.all(location.paths)
+        targets = states.filter { $0.daemon != nil }.map { ($0, IndexStore.rootInode) }
+        if targets.isEmpty, let crash = states.compactMap(\.crashed).first {
+          throw MountPointError.daemonCrashed(crash)
+        }
       }
-      if targets.isEmpty { throw UbiqError.invalidArgument("nothing is mounted") }
+      if targets.isEmpty {
+        throw UbiqError.invalidArgument(
+          "nothing is mounted; mount a container with `ubiqfs mount [CONTAINER] MOUNTPOINT`")
+      }
       // Make waiting entries due now.
       for (s, _) in targets { try s.openIndex(readOnly: false).retryAllNow() }
       guard wait else { return }
@@ -186,6 +206,7 @@ struct SyncCommand: ParsableCommand {
   }
 }
 
+/// `ubiqfs find`: name search in the index (works on evicted items and offline).
 struct FindCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "find", abstract: "Find items by name (glob) in the index; works on evicted items, offline.")

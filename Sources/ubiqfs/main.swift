@@ -8,12 +8,14 @@ struct Ubiqfs: ParsableCommand {
     commandName: "ubiqfs",
     abstract: "iCloud-style ubiquity containers for Linux.",
     subcommands: [
-      // Server and accounts (issue 5).
-      ServeCommand.self, ServerCommand.self, AccountCommand.self,
+      // Mounts and what they hold.
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
-      ContentCommand.self, VersionsCommand.self, ResolveCommand.self,
-      // Key-value store (issue 7).
+      DownloadCommand.self, EvictCommand.self, PinCommand.self, UnpinCommand.self,
+      VersionsCommand.self, ResolveCommand.self,
+      // The container's key-value store.
       KVCommand.self,
+      // Server accounts: signing in on this machine, and running a server.
+      AccountCommand.self, ServeCommand.self, ServerCommand.self,
     ])
 }
 
@@ -47,7 +49,7 @@ func cli(_ body: () throws -> Void) throws {
 /// Parses and runs; usage errors print one `ubiqfs: ...` line (help still prints in full).
 func runCLI() -> Never {
   do {
-    var command = try Ubiqfs.parseAsRoot(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))
+    var command = try Ubiqfs.parseAsRoot()
     try command.run()
     exit(0)
   } catch {
