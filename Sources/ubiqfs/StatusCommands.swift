@@ -127,8 +127,8 @@ struct StatusCommand: ParsableCommand {
       if reports.isEmpty { print("no containers (nothing mounted yet)") }
       let now = Clock.nowNs()
       for r in reports {
-        let where_ = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? r.crashed?.summary ?? "not mounted"
-        print("\(r.container) [account \(r.account)]: \(where_)")
+        let state = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? r.crashed?.summary ?? "not mounted"
+        print("\(r.container) [account \(r.account)]: \(state)")
         let q = r.queue
         if q.pendingItems == 0 && q.pendingDeletes == 0 {
           print("  all changes uploaded")
@@ -152,12 +152,33 @@ struct StatusCommand: ParsableCommand {
 /// `ubiqfs sync`: makes waiting uploads due now and, with --wait, waits for them.
 struct SyncCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.")
+    commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.",
+    discussion: """
+      With --wait on a terminal, a progress line shows what is left; --json prints it as one \
+      JSON object per line (pendingUploads, pendingDeletes, pendingBytes, done) instead.
+      """)
 
   @Flag(help: "Block until everything under PATH is uploaded.") var wait = false
   @Argument(help: "A path inside a mount (default: every mounted container).") var path: String?
   @Option(help: "Give up after this many seconds (exit 1).") var timeout: Double?
+  @Flag(help: "With --wait, what is left as one JSON object per line (also when stdout is not a terminal).")
+  var json = false
   @OptionGroup var location: LocationOptions
+
+  /// What `sync --wait` still waits for.
+  struct Report: ProgressReport {
+    var pendingUploads: Int
+    var pendingDeletes: Int
+    /// Bytes of the pending uploads; reported when whole containers are synced.
+    var pendingBytes: Int64?
+    var done: Bool
+
+    var line: String {
+      if done { return "all changes uploaded" }
+      let bytes = pendingBytes.map { " (\(formatBytes($0)))" } ?? ""
+      return "waiting: \(pendingUploads) uploads\(bytes) and \(pendingDeletes) deletes left"
+    }
+  }
 
   func run() throws {
     try cli {
@@ -179,25 +200,40 @@ struct SyncCommand: ParsableCommand {
       for (s, _) in targets { try s.openIndex(readOnly: false).retryAllNow() }
       guard wait else { return }
       let deadline = timeout.map { Date().addingTimeInterval($0) }
+      let printer = ProgressPrinter<Report>(style: .choose(json: json))
       var reported = Set<String>()
       var rounds = 0
       while true {
         var pending = 0
+        var left = Report(pendingUploads: 0, pendingDeletes: 0, pendingBytes: path == nil ? 0 : nil, done: false)
         for (s, inode) in targets {
           let index = try s.openIndex()
-          pending += try index.pendingCount(under: inode)
-          for f in try index.queueSummary().failing where !reported.contains(f.path + f.error) {
+          // Uploads under the path plus every delete: what the wait is for.
+          let under = try index.pendingCount(under: inode)
+          pending += under
+          let summary = try index.queueSummary()
+          left.pendingDeletes += summary.pendingDeletes
+          left.pendingUploads += path == nil ? summary.pendingItems : max(0, under - summary.pendingDeletes)
+          left.pendingBytes? += summary.pendingBytes
+          for f in summary.failing where !reported.contains(f.path + f.error) {
             reported.insert(f.path + f.error)
+            printer.clearLine()
             eprint("ubiqfs: still trying: \(f.path): \(f.error)")
           }
         }
-        if pending == 0 { return }
+        if pending == 0 {
+          printer.report(
+            Report(pendingUploads: 0, pendingDeletes: 0, pendingBytes: path == nil ? 0 : nil, done: true), final: true)
+          return
+        }
+        printer.report(left)
         rounds += 1
         if rounds % 100 == 0 {
           // While the user waits, entries in backoff are retried every 5 s.
           for (s, _) in targets { try? s.openIndex(readOnly: false).retryAllNow() }
         }
         if let deadline, Date() > deadline {
+          printer.clearLine()
           throw UbiqError.busy("timed out with \(pending) uploads pending (see 'ubiqfs status')")
         }
         usleep(50_000)

@@ -1,16 +1,18 @@
 """The command line: status, sync, find, how bad input is refused, what --help, the man page and
-bash completion offer, and recovery after a daemon crash."""
+bash completion offer, recovery after a daemon crash, and progress of long operations."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import pty
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -454,3 +456,116 @@ def test_unmount_after_a_crash_clears_it(ubiq):
     out = ubiq.run("status").stdout
     assert "not mounted" in out and "crashed" not in out, out
     ubiq.mount()
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def run_on_tty(u: Ubiq, *args, timeout: float = 120) -> tuple[int, str]:
+    """Runs `ubiqfs ARGS` with its stdout on a pseudo-terminal; returns (exit code, output)."""
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the last writer is gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        cp = subprocess.run(
+            [conftest.UBIQFS_BIN, *map(str, args)], env=u.env, stdout=slave, stderr=subprocess.PIPE,
+            timeout=timeout, cwd=str(u.root),
+        )
+    finally:
+        os.close(slave)
+    reader.join(10)
+    os.close(master)
+    assert cp.stderr == b"", cp.stderr
+    return cp.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def evicted_tree(u: Ubiq, sizes: list[int]) -> tuple[Path, int]:
+    """A synced, then evicted folder of files of these sizes; returns it and its byte count."""
+    d = u.docs / "media"
+    d.mkdir()
+    for i, n in enumerate(sizes):
+        write_file(d / f"f{i}.bin", os.urandom(n))
+    u.sync()
+    u.run("evict", d)
+    assert all(Ubiq.xattr(d / f"f{i}.bin", "user.ubiq.status") == "not_downloaded" for i in range(len(sizes)))
+    return d, sum(sizes)
+
+
+def json_lines(text: str) -> list[dict]:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines, "no output"
+    return [json.loads(line) for line in lines]
+
+
+def test_download_json_progress(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--download-limit", "1M")
+    d, total = evicted_tree(ubiq, [1_000_000, 700_000, 1_100_000, 10])
+    out = ubiq.run("download", "--json", d).stdout
+    reports = json_lines(out)
+    last = reports[-1]
+    assert last["done"] is True
+    assert (last["filesDone"], last["filesTotal"]) == (4, 4)
+    assert last["bytesDone"] == last["bytesTotal"] == total
+    # About 3 s at 1 MB/s: progress came while it ran, never going backwards.
+    running = reports[:-1]
+    assert running and all(r["done"] is False and r["bytesTotal"] == total for r in running), reports
+    done = [r["bytesDone"] for r in reports]
+    assert done == sorted(done), done
+    assert any(0 < r["bytesDone"] < total for r in running), reports
+    assert all(r["bytesPerSecond"] >= 0 for r in reports)
+    assert any(r.get("etaSeconds") is not None for r in running)
+    for f in d.iterdir():
+        assert Ubiq.xattr(f, "user.ubiq.status") == "current"
+    # Nothing left to fetch: one final object with nothing to do.
+    again = json_lines(ubiq.run("download", "--json", d).stdout)
+    assert again[-1]["done"] is True and again[-1]["bytesTotal"] == 0 and again[-1]["filesTotal"] == 0
+
+
+def test_download_progress_on_a_terminal_only(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--download-limit", "1M")
+    d, total = evicted_tree(ubiq, [1_200_000, 1_200_000])
+    rc, out = run_on_tty(ubiq, "download", d)
+    assert rc == 0, out
+    assert "ETA" in out and "/s" in out and "files" in out, out
+    assert "downloaded 2 files" in out, out
+    # Into a pipe (scripts), no progress output.
+    ubiq.run("evict", d)
+    cp = ubiq.run("download", d)
+    assert cp.stdout == "" and cp.stderr == ""
+    assert all(Ubiq.xattr(f, "user.ubiq.status") == "current" for f in d.iterdir())
+
+
+def test_sync_wait_json_progress_says_what_is_left(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--upload-limit", "1M")
+    for i in range(3):
+        write_file(ubiq.docs / f"u{i}.bin", os.urandom(1_000_000))
+    reports = json_lines(ubiq.run("sync", "--wait", "--json", "--timeout", "60").stdout)
+    assert reports[-1] == {"pendingUploads": 0, "pendingDeletes": 0, "pendingBytes": 0, "done": True}
+    running = reports[:-1]
+    assert running and running[0]["pendingUploads"] >= 1 and running[0]["pendingBytes"] > 0, reports
+    left = [r["pendingUploads"] for r in reports]
+    assert left == sorted(left, reverse=True), left
+    for i in range(3):
+        assert ubiq.xattr(ubiq.docs / f"u{i}.bin", "user.ubiq.uploaded") == "1"
+
+
+def test_sync_wait_progress_on_a_terminal(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--upload-limit", "1M")
+    for i in range(2):
+        write_file(ubiq.docs / f"u{i}.bin", os.urandom(1_000_000))
+    rc, out = run_on_tty(ubiq, "sync", "--wait", ubiq.docs)
+    assert rc == 0, out
+    assert "left" in out and "upload" in out, out
+    assert "all changes uploaded" in out, out
