@@ -65,8 +65,9 @@ enum MountPoint {
   /// saying so; anything else mounted there is an error.
   static func prepare(_ path: String, report: (String) -> Void) throws {
     var detached = 0
-    while let err = deadConnection(path) {
-      let fstype = MountTable.entries().last { $0.mountpoint == path }?.fstype ?? "unknown"
+    // Only something mounted right there can be stale; a plain directory is never asked.
+    while let entry = MountTable.entries().last(where: { $0.mountpoint == path }), let err = deadConnection(path) {
+      let fstype = entry.fstype
       guard fstype == "fuse.ubiqfs" else { throw MountPointError.staleForeignMount(path, fstype: fstype) }
       // Stacked stale mounts come off one at a time; a handful is already far from normal.
       guard detached < 8 else { throw MountPointError.detachFailed(path, reason: String(cString: strerror(err))) }

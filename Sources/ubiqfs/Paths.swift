@@ -56,6 +56,7 @@ struct DaemonRecord: Codable {
     return try? JSONDecoder().decode(DaemonRecord.self, from: d)
   }
 
+  /// Forgets the record in `dir` (its daemon is gone and its mount too).
   static func remove(_ dir: URL) {
     try? FileManager.default.removeItem(at: dir.appendingPathComponent("daemon.json"))
   }
