@@ -31,7 +31,8 @@ some kernels say \\(lqSoftware caused connection abort\\(rq, ECONNABORTED).
 \\fBubiqfs status\\fR then reports \\(lqdaemon crashed\\(rq with the command to run.
 \\fBubiqfs mount\\fR on such a mount point detaches the stale mount lazily (as
 \\fBfusermount3 \\-uz\\fR does), says so in one line, and mounts again; nothing closed before
-the crash is lost, and queued uploads resume. \\fBubiqfs unmount\\fR also clears a stale mount.
+the crash is lost, and queued uploads resume. Mounting the container at another mount point
+detaches the old stale one too. \\fBubiqfs unmount\\fR also clears a stale mount.
 The systemd user unit \\fBubiqfs@.service\\fR restarts the daemon after a crash
 (\\fBRestart=on\\-failure\\fR), which recovers the same way.
 """

@@ -56,6 +56,9 @@ final class Daemon {
       throw UbiqError.busy("container \(container) is already mounted\(where_); see 'ubiqfs status'")
     }
     defer { close(lockFD) }
+    // With the lock held no other daemon of this container runs: a mount point the last one
+    // left stale elsewhere is detached.
+    MountPoint.recoverPrevious(DaemonRecord.load(dir), mountingAt: mountpoint) { [log] in log.warning("\($0)") }
 
     let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
     index.uploadDelayNs = Int64(uploadDelayMs) * 1_000_000

@@ -87,6 +87,7 @@ struct MountCommand: ParsableCommand {
     let paths = location.paths
     let dir = paths.containerDir(account: paths.activeAccount, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    MountPoint.recoverPrevious(DaemonRecord.load(dir), mountingAt: mountpoint) { eprint("ubiqfs: \($0)") }
     let logPath = dir.appendingPathComponent("daemon.log").path
     var args = [
       "/proc/self/exe", "mount", "--foreground", container.rawValue, mountpoint,

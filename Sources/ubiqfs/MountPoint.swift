@@ -91,6 +91,21 @@ enum MountPoint {
     }
   }
 
+  /// Detaches the mount that a crashed daemon of the same container (its `record`) left at
+  /// another mount point, if that still answers ENOTCONN; `report` gets one line either way.
+  /// Mounting goes on if detaching fails.
+  static func recoverPrevious(_ record: DaemonRecord?, mountingAt path: String, report: (String) -> Void) {
+    guard let record, record.mountpoint != path, !record.isAlive, MountTable.isUbiqMount(record.mountpoint),
+      deadConnection(record.mountpoint) != nil
+    else { return }
+    do {
+      try detach(record.mountpoint)
+      report("\(record.mountpoint) was a stale mount (its daemon, pid \(record.pid), had crashed); detached it lazily")
+    } catch {
+      report("\(error)")
+    }
+  }
+
   /// The errno of a FUSE mount at `path` whose daemon is gone (ENOTCONN, or ECONNABORTED for
   /// an aborted connection), nil otherwise. statvfs always reaches the daemon, where stat may be
   /// answered from the kernel's attribute cache.

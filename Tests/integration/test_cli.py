@@ -448,6 +448,28 @@ def test_foreground_mount_recovers_a_stale_mount(ubiq):
     ubiq.mount()
 
 
+def test_mount_elsewhere_after_a_crash_detaches_the_old_stale_mount(ubiq):
+    write_file(ubiq.docs / "a.txt", "a\n")
+    ubiq.sync()
+    old = str(ubiq.mnt)
+    kill_9_daemon(ubiq)
+    elsewhere = Ubiq(ubiq.root)
+    elsewhere.mnt = ubiq.root / "elsewhere"
+    elsewhere.mnt.mkdir()
+    cp = elsewhere.run("mount", ubiq.container, elsewhere.mnt, *ubiq.mount_args)
+    elsewhere._note_daemon()
+    try:
+        said = [line for line in (cp.stdout + cp.stderr).splitlines() if "stale" in line]
+        assert len(said) == 1 and old in said[0], cp.stdout + cp.stderr
+        assert old not in ubiq_mounts(), "the crashed daemon's mount point is still a stale mount"
+        assert (elsewhere.docs / "a.txt").read_text() == "a\n"
+        [report] = ubiq.status()
+        assert report["mountpoint"] == str(elsewhere.mnt) and report.get("crashed") is None
+    finally:
+        elsewhere.unmount()
+    ubiq.mount()
+
+
 def test_unmount_after_a_crash_clears_it(ubiq):
     kill_9_daemon(ubiq)
     cp = ubiq.run("unmount", ubiq.mnt)
