@@ -12,7 +12,7 @@ let package = Package(
     .package(url: "https://github.com/apple/swift-argument-parser", from: "1.8.2"),
     .package(url: "https://github.com/apple/swift-log", from: "1.16.2"),
     .package(url: "https://github.com/apple/swift-crypto", from: "3.12.3"),
-    // Server and scale-out engines (issue 5).
+    // Server and scale-out engines.
     .package(url: "https://github.com/hummingbird-project/hummingbird", from: "2.28.1"),
     .package(url: "https://github.com/swift-server/async-http-client", from: "1.37.0"),
     .package(url: "https://github.com/vapor/postgres-nio", from: "1.33.2"),
@@ -71,7 +71,7 @@ let package = Package(
         .product(name: "Logging", package: "swift-log"),
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
       ]),
-    // The key-value store's client: local mirror (kv.sqlite) and its sync (issue 7).
+    // The key-value store's client: local mirror (kv.sqlite) and its sync.
     .target(
       name: "UbiqKV",
       dependencies: ["UbiqCore", "UbiqCloud", .product(name: "GRDB", package: "GRDB.swift")]),

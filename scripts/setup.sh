@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Installs what ubiqfs needs on Debian 12 (apt packages, pytest) and builds it.
+# Installs what ubiqfs needs on Debian 12 and builds it: the build's libraries, every tool the
+# test suites run (so no test is skipped for a missing tool), and pytest. Run as root, it also
+# installs the man page (docs/ubiqfs.1) and the bash, zsh and fish completions.
 # Usage: scripts/setup.sh [debug|release]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:-debug}"
 export PATH="/opt/swift/usr/bin:$PATH"
 
+# Build: fuse3 libfuse3-dev libsqlite3-dev pkg-config.
+# Tests (Tests/integration, through subprocess): fusermount3 (fuse3), getfattr/setfattr (attr),
+# git, sqlite3, rsync, vim, man (man-db, for the man page test), and coreutils, diffutils, tar
+# and bash, which every Debian system has. PostgreSQL and SeaweedFS for the server modes come
+# from scripts/test-server-deps.sh.
 need=()
-for pkg in fuse3 libfuse3-dev libsqlite3-dev pkg-config attr git sqlite3 python3 python3-pip rsync; do
+for pkg in fuse3 libfuse3-dev libsqlite3-dev pkg-config python3 python3-pip \
+  attr git sqlite3 rsync vim man-db bash-completion; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -20,4 +28,19 @@ python3 -c 'import pytest' 2>/dev/null || python3 -m pip install -q pytest
 
 echo "setup: building ($config)"
 swift build -c "$config" 2>&1 | grep -E "error|warning: unre|Compiling ubiqfs|Build complete" || true
-test -x ".build/$config/ubiqfs" || { echo "setup: build failed" >&2; swift build -c "$config"; exit 1; }
+bin=".build/$config/ubiqfs"
+test -x "$bin" || { echo "setup: build failed" >&2; swift build -c "$config"; exit 1; }
+
+if [ "$(id -u)" -eq 0 ]; then
+  install -D -m 0644 docs/ubiqfs.1 /usr/local/share/man/man1/ubiqfs.1
+  tmp="$(mktemp)"
+  for shell_dest in bash:/usr/share/bash-completion/completions/ubiqfs \
+    zsh:/usr/local/share/zsh/site-functions/_ubiqfs fish:/usr/share/fish/vendor_completions.d/ubiqfs.fish; do
+    "$bin" --generate-completion-script "${shell_dest%%:*}" >"$tmp"
+    install -D -m 0644 "$tmp" "${shell_dest#*:}"
+  done
+  rm -f "$tmp"
+  echo "setup: installed the man page (man ubiqfs) and bash, zsh and fish completions"
+else
+  echo "setup: not root; man page and shell completions not installed (see docs/user-guide.md)"
+fi

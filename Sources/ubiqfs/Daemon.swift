@@ -54,9 +54,12 @@ final class Daemon {
     let lockFD = open(dir.appendingPathComponent("lock").path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
     guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
       let where_ = DaemonRecord.load(dir).map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
-      throw UbiqError.busy("container \(container) is already mounted\(where_)")
+      throw UbiqError.busy("container \(container) is already mounted\(where_); see 'ubiqfs status'")
     }
     defer { close(lockFD) }
+    // With the lock held no other daemon of this container runs: a mount point the last one
+    // left stale elsewhere is detached.
+    MountPoint.recoverPrevious(DaemonRecord.load(dir), mountingAt: mountpoint) { [log] in log.warning("\($0)") }
 
     let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
     index.uploadDelayNs = Int64(uploadDelayMs) * 1_000_000
@@ -143,7 +146,7 @@ final class Daemon {
     budgetTimer.setEventHandler { fs.enforceCacheBudget() }
     budgetTimer.resume()
     defer { budgetTimer.cancel() }
-    // Key-value store (issue 7): keep the container's kv mirror synced while mounted.
+    // Key-value store: keep the container's kv mirror synced while mounted.
     let kvTimer = startKVSyncTimer(paths: paths, session: cloudSession, container: container)
     defer { kvTimer?.cancel() }
     notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
@@ -175,16 +178,10 @@ final class Daemon {
     }
   }
 
+  /// The mount point must be a free directory; a mount left stale by a crashed daemon is
+  /// detached (systemd restarts the daemon after a crash and ends up here).
   func checkMountpoint() throws {
-    var st = stat()
-    if stat(mountpoint, &st) != 0 {
-      if errno == ENOTCONN {
-        throw UbiqError.busy("\(mountpoint) is a stale mount; run 'ubiqfs unmount \(mountpoint)' first")
-      }
-      throw UbiqError.notFound("mount point \(mountpoint) does not exist")
-    }
-    if st.st_mode & S_IFMT != S_IFDIR { throw UbiqError.notDirectory("mount point \(mountpoint)") }
-    if MountTable.isMounted(mountpoint) { throw UbiqError.busy("\(mountpoint) is already a mount point") }
+    try MountPoint.prepare(mountpoint) { [log] in log.warning("\($0)") }
   }
 
   /// Tells systemd (Type=notify) about our state, if it asked.

@@ -8,6 +8,8 @@ import UbiqFSCore
   import Glibc
 #endif
 
+/// `ubiqfs mount`: starts the daemon of a container (in the background, or in the foreground
+/// for systemd) once the mount point is ready.
 struct MountCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "mount", abstract: "Mount a container (default iCloud.default) at MOUNTPOINT.")
@@ -80,11 +82,13 @@ struct MountCommand: ParsableCommand {
   /// Starts `ubiqfs mount --foreground ...` detached (new session, output to the container's
   /// daemon.log) and returns once the kernel shows the mount, or fails with the daemon's error.
   func startInBackground(container: ContainerID, mountpoint: String) throws {
-    // Checked here too: an existing mount at MOUNTPOINT would look like success below.
-    if MountTable.isMounted(mountpoint) { throw UbiqError.busy("\(mountpoint) is already a mount point") }
+    // Checked here too: an existing mount at MOUNTPOINT would look like success below. A mount
+    // left stale by a crashed daemon is detached here, so the line saying so reaches the user.
+    try MountPoint.prepare(mountpoint) { eprint("ubiqfs: \($0)") }
     let paths = location.paths
     let dir = paths.containerDir(account: paths.activeAccount, container)
     try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    MountPoint.recoverPrevious(DaemonRecord.load(dir), mountingAt: mountpoint) { eprint("ubiqfs: \($0)") }
     let logPath = dir.appendingPathComponent("daemon.log").path
     var args = [
       "/proc/self/exe", "mount", "--foreground", container.rawValue, mountpoint,
@@ -138,6 +142,7 @@ struct MountCommand: ParsableCommand {
   }
 }
 
+/// `ubiqfs unmount`: unmounts and waits for the daemon to exit.
 struct UnmountCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "unmount", abstract: "Unmount a ubiqfs mount; queued uploads resume at the next mount.")
@@ -149,9 +154,15 @@ struct UnmountCommand: ParsableCommand {
   func run() throws {
     try cli {
       let mp = absolutePath(mountpoint)
-      guard MountTable.isUbiqMount(mp) else { throw UbiqError.invalidArgument("\(mp) is not a ubiqfs mount") }
-      let daemon = location.paths.allContainerDirs().compactMap(DaemonRecord.load).first { $0.mountpoint == mp }
+      guard MountTable.isUbiqMount(mp) else {
+        throw UbiqError.invalidArgument("\(mp) is not a ubiqfs mount (see 'ubiqfs status' for mounts)")
+      }
+      let dirs = location.paths.allContainerDirs()
+      let owner = dirs.first { DaemonRecord.load($0)?.mountpoint == mp }
+      let daemon = owner.flatMap(DaemonRecord.load)
       try unmountAndWait(mp, lazy: lazy, daemon: daemon)
+      // A crashed daemon left its record behind; once its mount is gone there is nothing to report.
+      if let owner, let daemon, !daemon.isAlive { DaemonRecord.remove(owner) }
       print("unmounted \(mp)")
     }
   }

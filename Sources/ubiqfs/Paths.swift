@@ -56,6 +56,21 @@ struct DaemonRecord: Codable {
     return try? JSONDecoder().decode(DaemonRecord.self, from: d)
   }
 
+  /// Forgets the record in `dir` (its daemon is gone and its mount too).
+  static func remove(_ dir: URL) {
+    try? FileManager.default.removeItem(at: dir.appendingPathComponent("daemon.json"))
+  }
+
+  /// False for a record written before the machine last booted: that daemon cannot be running.
+  var startedThisBoot: Bool {
+    guard let text = try? String(contentsOfFile: "/proc/stat", encoding: .utf8),
+      let line = text.split(separator: "\n").first(where: { $0.hasPrefix("btime ") }),
+      let boot = Double(line.dropFirst("btime ".count).trimmingCharacters(in: .whitespaces))
+    else { return true }
+    // btime is whole seconds; allow for the rounding.
+    return startedAt.timeIntervalSince1970 >= boot - 1
+  }
+
   /// True while the process exists and is not a zombie waiting to be reaped.
   var isAlive: Bool {
     guard kill(pid, 0) == 0 || errno == EPERM else { return false }

@@ -8,20 +8,24 @@ import UbiqSync
   import Glibc
 #endif
 
-/// A container's state folder with its daemon record (if mounted) and its index.
+/// A container's state folder with its daemon record (if mounted), the record of a daemon
+/// that crashed (if one did), and its index.
 struct ContainerState {
   let dir: URL
   let daemon: DaemonRecord?
+  let crashed: CrashedDaemon?
   let container: String
   let account: String
 
   static func all(_ paths: Paths) -> [ContainerState] {
     paths.allContainerDirs().compactMap { dir in
       guard FileManager.default.fileExists(atPath: dir.appendingPathComponent("index.sqlite").path) else { return nil }
-      let d = DaemonRecord.load(dir).flatMap { $0.isAlive ? $0 : nil }
+      // A record from before the last boot is no crash: that mount ended with the machine.
+      let record = DaemonRecord.load(dir).flatMap { $0.startedThisBoot ? $0 : nil }
+      let alive = record?.isAlive == true
       return ContainerState(
-        dir: dir, daemon: d, container: dir.lastPathComponent,
-        account: dir.deletingLastPathComponent().lastPathComponent)
+        dir: dir, daemon: alive ? record : nil, crashed: alive ? nil : record.map(CrashedDaemon.init),
+        container: dir.lastPathComponent, account: dir.deletingLastPathComponent().lastPathComponent)
     }
   }
 
@@ -32,20 +36,26 @@ struct ContainerState {
   /// The mounted container holding `path`, and the path's inode in it.
   static func locate(_ path: String, _ paths: Paths) throws -> (ContainerState, Int64) {
     let abs = absolutePath(path)
-    let mounted = all(paths).filter { $0.daemon != nil }
-    guard
-      let state = mounted.filter({ abs == $0.daemon!.mountpoint || abs.hasPrefix($0.daemon!.mountpoint + "/") })
-        .max(by: { $0.daemon!.mountpoint.count < $1.daemon!.mountpoint.count })
-    else { throw UbiqError.invalidArgument("\(abs) is not inside a ubiqfs mount") }
+    func holds(_ mountpoint: String) -> Bool { abs == mountpoint || abs.hasPrefix(mountpoint + "/") }
+    let states = all(paths)
+    let state = states.filter { $0.daemon.map { holds($0.mountpoint) } ?? false }
+      .max { $0.daemon!.mountpoint.count < $1.daemon!.mountpoint.count }
+    guard let state else {
+      if let crash = states.compactMap(\.crashed).first(where: { holds($0.mountpoint) }) {
+        throw MountPointError.daemonCrashed(crash)
+      }
+      throw UbiqError.invalidArgument("\(abs) is not inside a ubiqfs mount (see 'ubiqfs status' for mounts)")
+    }
     var st = stat()
     guard lstat(abs, &st) == 0 else { throw UbiqError.notFound(abs) }
     return (state, Int64(st.st_ino))
   }
 }
 
+/// `ubiqfs status`: mounts, crashed daemons, pending uploads and upload errors.
 struct StatusCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "status", abstract: "Show mounts, pending uploads and upload errors.")
+    commandName: "status", abstract: "Show mounts, crashed daemons, pending uploads and upload errors.")
 
   @Argument(help: "Only the mount holding this path.") var path: String?
   @Flag(help: "Machine-readable output.") var json = false
@@ -59,6 +69,8 @@ struct StatusCommand: ParsableCommand {
     var account: String
     var mountpoint: String?
     var pid: Int32?
+    /// Set when the daemon died without unmounting.
+    var crashed: CrashedDaemon?
     var queue: QueueSummary
     var uploading: [UploadProgress]
   }
@@ -104,7 +116,7 @@ struct StatusCommand: ParsableCommand {
         reports.append(
           Report(
             container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
-            queue: summary, uploading: uploading))
+            crashed: s.crashed, queue: summary, uploading: uploading))
       }
       if json {
         let enc = JSONEncoder()
@@ -115,8 +127,8 @@ struct StatusCommand: ParsableCommand {
       if reports.isEmpty { print("no containers (nothing mounted yet)") }
       let now = Clock.nowNs()
       for r in reports {
-        let where_ = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? "not mounted"
-        print("\(r.container) [account \(r.account)]: \(where_)")
+        let state = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? r.crashed?.summary ?? "not mounted"
+        print("\(r.container) [account \(r.account)]: \(state)")
         let q = r.queue
         if q.pendingItems == 0 && q.pendingDeletes == 0 {
           print("  all changes uploaded")
@@ -137,14 +149,36 @@ struct StatusCommand: ParsableCommand {
   }
 }
 
+/// `ubiqfs sync`: makes waiting uploads due now and, with --wait, waits for them.
 struct SyncCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.")
+    commandName: "sync", abstract: "Upload now; with --wait, return when everything under PATH is uploaded.",
+    discussion: """
+      With --wait on a terminal, a progress line shows what is left; --json prints it as one \
+      JSON object per line (pendingUploads, pendingDeletes, pendingBytes, done) instead.
+      """)
 
   @Flag(help: "Block until everything under PATH is uploaded.") var wait = false
   @Argument(help: "A path inside a mount (default: every mounted container).") var path: String?
   @Option(help: "Give up after this many seconds (exit 1).") var timeout: Double?
+  @Flag(help: "With --wait, what is left as one JSON object per line (also when stdout is not a terminal).")
+  var json = false
   @OptionGroup var location: LocationOptions
+
+  /// What `sync --wait` still waits for.
+  struct Report: ProgressReport {
+    var pendingUploads: Int
+    var pendingDeletes: Int
+    /// Bytes of the pending uploads; reported when whole containers are synced.
+    var pendingBytes: Int64?
+    var done: Bool
+
+    var line: String {
+      if done { return "all changes uploaded" }
+      let bytes = pendingBytes.map { " (\(formatBytes($0)))" } ?? ""
+      return "waiting: \(pendingUploads) uploads\(bytes) and \(pendingDeletes) deletes left"
+    }
+  }
 
   func run() throws {
     try cli {
@@ -152,32 +186,54 @@ struct SyncCommand: ParsableCommand {
       if let path {
         targets = [try ContainerState.locate(path, location.paths)]
       } else {
-        targets = ContainerState.all(location.paths).filter { $0.daemon != nil }.map { ($0, IndexStore.rootInode) }
+        let states = ContainerState.all(location.paths)
+        targets = states.filter { $0.daemon != nil }.map { ($0, IndexStore.rootInode) }
+        if targets.isEmpty, let crash = states.compactMap(\.crashed).first {
+          throw MountPointError.daemonCrashed(crash)
+        }
       }
-      if targets.isEmpty { throw UbiqError.invalidArgument("nothing is mounted") }
+      if targets.isEmpty {
+        throw UbiqError.invalidArgument(
+          "nothing is mounted; mount a container with `ubiqfs mount [CONTAINER] MOUNTPOINT`")
+      }
       // Make waiting entries due now.
       for (s, _) in targets { try s.openIndex(readOnly: false).retryAllNow() }
       guard wait else { return }
       let deadline = timeout.map { Date().addingTimeInterval($0) }
+      let printer = ProgressPrinter<Report>(style: .choose(json: json))
       var reported = Set<String>()
       var rounds = 0
       while true {
         var pending = 0
+        var left = Report(pendingUploads: 0, pendingDeletes: 0, pendingBytes: path == nil ? 0 : nil, done: false)
         for (s, inode) in targets {
           let index = try s.openIndex()
-          pending += try index.pendingCount(under: inode)
-          for f in try index.queueSummary().failing where !reported.contains(f.path + f.error) {
+          // Uploads under the path plus every delete: what the wait is for.
+          let under = try index.pendingCount(under: inode)
+          pending += under
+          let summary = try index.queueSummary()
+          left.pendingDeletes += summary.pendingDeletes
+          left.pendingUploads += path == nil ? summary.pendingItems : max(0, under - summary.pendingDeletes)
+          left.pendingBytes? += summary.pendingBytes
+          for f in summary.failing where !reported.contains(f.path + f.error) {
             reported.insert(f.path + f.error)
+            printer.clearLine()
             eprint("ubiqfs: still trying: \(f.path): \(f.error)")
           }
         }
-        if pending == 0 { return }
+        if pending == 0 {
+          printer.report(
+            Report(pendingUploads: 0, pendingDeletes: 0, pendingBytes: path == nil ? 0 : nil, done: true), final: true)
+          return
+        }
+        printer.report(left)
         rounds += 1
         if rounds % 100 == 0 {
           // While the user waits, entries in backoff are retried every 5 s.
           for (s, _) in targets { try? s.openIndex(readOnly: false).retryAllNow() }
         }
         if let deadline, Date() > deadline {
+          printer.clearLine()
           throw UbiqError.busy("timed out with \(pending) uploads pending (see 'ubiqfs status')")
         }
         usleep(50_000)
@@ -186,6 +242,7 @@ struct SyncCommand: ParsableCommand {
   }
 }
 
+/// `ubiqfs find`: name search in the index (works on evicted items and offline).
 struct FindCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "find", abstract: "Find items by name (glob) in the index; works on evicted items, offline.")

@@ -8,12 +8,14 @@ struct Ubiqfs: ParsableCommand {
     commandName: "ubiqfs",
     abstract: "iCloud-style ubiquity containers for Linux.",
     subcommands: [
-      // Server and accounts (issue 5).
-      ServeCommand.self, ServerCommand.self, AccountCommand.self,
+      // Mounts and what they hold.
       MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, FindCommand.self,
-      ContentCommand.self, VersionsCommand.self, ResolveCommand.self,
-      // Key-value store (issue 7).
+      DownloadCommand.self, EvictCommand.self, PinCommand.self, UnpinCommand.self,
+      VersionsCommand.self, ResolveCommand.self,
+      // The container's key-value store.
       KVCommand.self,
+      // Server accounts: signing in on this machine, and running a server.
+      AccountCommand.self, ServeCommand.self, ServerCommand.self,
     ])
 }
 
@@ -52,7 +54,7 @@ func runCLI() -> Never {
   // Files seen through a mount take their modes from the index, not from this mask.
   umask(0o077)
   do {
-    var command = try Ubiqfs.parseAsRoot(rewriteContentShortcuts(Array(CommandLine.arguments.dropFirst())))
+    var command = try Ubiqfs.parseAsRoot()
     try command.run()
     exit(0)
   } catch {

@@ -1,11 +1,24 @@
-"""The command line: status, sync, find, and how bad input is refused."""
+"""The command line: status, sync, find, how bad input is refused, what --help, the man page and
+bash completion offer, recovery after a daemon crash, and progress of long operations."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import pty
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
+import conftest
 from conftest import Ubiq, ubiq_mounts
 from helpers import write_file
 
@@ -227,3 +240,354 @@ def test_usage_errors_exit_non_zero(ubiq, tmp_path):
         assert cp.returncode != 0, args
         assert cp.stderr.strip(), args
     assert len(ubiq_mounts()) == len(set(ubiq_mounts()))
+
+
+# ---------------------------------------------------------------------------- discoverability
+
+REPO = Path(__file__).resolve().parents[2]
+MAN_PAGE = REPO / "docs" / "ubiqfs.1"
+# What the user guide tells people to run; each must be a command of its own.
+USER_COMMANDS = [
+    "mount", "unmount", "status", "sync", "find", "download", "evict", "pin", "unpin",
+    "versions", "resolve", "kv", "account", "serve", "server",
+]
+
+
+def command_tree(ubiqfs_bin: str) -> list[tuple[list[str], dict]]:
+    """Every command path the binary parses (from its own --experimental-dump-help), with the
+    command's description; ArgumentParser's built-in `help` is left out."""
+    cp = subprocess.run([ubiqfs_bin, "--experimental-dump-help"], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    found = []
+
+    def walk(cmd: dict, prefix: list[str]) -> None:
+        for sub in cmd.get("subcommands") or []:
+            if sub["commandName"] == "help":
+                continue
+            path = prefix + [sub["commandName"]]
+            found.append((path, sub))
+            walk(sub, path)
+
+    walk(json.loads(cp.stdout)["command"], [])
+    return found
+
+
+def help_subcommands(ubiqfs_bin: str, parent: list[str]) -> list[str]:
+    """The command names `ubiqfs PARENT... --help` lists under SUBCOMMANDS."""
+    cp = subprocess.run([ubiqfs_bin, *parent, "--help"], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    assert "SUBCOMMANDS:" in cp.stdout, cp.stdout
+    section = cp.stdout.split("SUBCOMMANDS:", 1)[1]
+    names = []
+    for line in section.splitlines():
+        if not line.strip():
+            continue
+        m = re.match(r"^  (\S+)", line)
+        if m:
+            names.append(m.group(1))
+        elif not line.startswith("   "):
+            break  # the next section
+    return names
+
+
+def test_every_command_is_listed_in_help(ubiqfs_bin):
+    tree = command_tree(ubiqfs_bin)
+    top = [path[0] for path, _ in tree if len(path) == 1]
+    missing = [c for c in USER_COMMANDS if c not in top]
+    assert not missing, f"not commands of their own: {missing}"
+    hidden = [" ".join(path) for path, info in tree if not info.get("shouldDisplay", True)]
+    assert not hidden, f"commands a user can run but --help hides: {hidden}"
+    for path, _ in tree:
+        listed = help_subcommands(ubiqfs_bin, path[:-1])
+        assert path[-1] in listed, f"`ubiqfs {' '.join(path[:-1])} --help` does not list {path[-1]}: {listed}"
+    # Each command's own help works.
+    for path, info in tree:
+        cp = subprocess.run([ubiqfs_bin, *path, "--help"], capture_output=True, text=True, timeout=30)
+        assert cp.returncode == 0 and "USAGE: ubiqfs " + " ".join(path) in cp.stdout, (path, cp.stdout, cp.stderr)
+
+
+def test_man_page_documents_every_command(ubiqfs_bin):
+    assert MAN_PAGE.is_file(), f"{MAN_PAGE} is missing (scripts/gen-manpage.py writes it)"
+    page = MAN_PAGE.read_text()
+    headings = re.findall(r'^\.SS "(.*)"$', page, flags=re.M)
+    for path, _ in command_tree(ubiqfs_bin):
+        assert "ubiqfs " + " ".join(path) in headings, f"man page has no section for `ubiqfs {' '.join(path)}`"
+    # The shipped page is exactly what the generator makes from this binary (options included).
+    cp = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "gen-manpage.py"), ubiqfs_bin], capture_output=True, text=True, timeout=60
+    )
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout == page, "docs/ubiqfs.1 is out of date: run scripts/gen-manpage.py BIN > docs/ubiqfs.1"
+    # man renders it without complaints.
+    cp = subprocess.run(
+        ["man", "--warnings", "-l", str(MAN_PAGE)], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "MANPAGER": "cat", "MANWIDTH": "100"},
+    )
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stderr.strip() == "", cp.stderr
+    for c in USER_COMMANDS:
+        assert f"ubiqfs {c}" in cp.stdout
+
+
+def bash_complete(script: str, words: list[str]) -> list[str]:
+    """What bash offers after `words` (the last one is being typed) with the completion script."""
+    line = " ".join(words)
+    program = (
+        script
+        + "\n"
+        + f"COMP_WORDS=({' '.join(shlex.quote(w) for w in words)}); COMP_CWORD={len(words) - 1};"
+        + f" COMP_LINE={shlex.quote(line)}; COMP_POINT={len(line)};"
+        + " _ubiqfs ubiqfs "
+        + shlex.quote(words[-1])
+        + " "
+        + shlex.quote(words[-2])
+        + '; printf "%s\\n" "${COMPREPLY[@]}"'
+    )
+    cp = subprocess.run(["bash", "--norc", "--noprofile", "-c", program], capture_output=True, text=True, timeout=30)
+    assert cp.returncode == 0, cp.stderr
+    return cp.stdout.split()
+
+
+def test_bash_completion_offers_every_command(ubiqfs_bin):
+    cp = subprocess.run(
+        [ubiqfs_bin, "--generate-completion-script", "bash"], capture_output=True, text=True, timeout=30
+    )
+    assert cp.returncode == 0, cp.stderr
+    script = cp.stdout
+    assert "complete " in script and "_ubiqfs" in script
+    tree = command_tree(ubiqfs_bin)
+    for path, _ in tree:
+        offered = bash_complete(script, ["ubiqfs", *path[:-1], ""])
+        assert path[-1] in offered, f"completion after `ubiqfs {' '.join(path[:-1])}` offers {offered}"
+    assert "download" in bash_complete(script, ["ubiqfs", "dow"])
+
+
+# ---------------------------------------------------------------------------- crashed daemon
+
+
+def kill_9_daemon(u: Ubiq) -> int:
+    """SIGKILLs the mount's daemon (a crash) and waits until it is gone; returns its pid."""
+    pid = int(u.daemon_record()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while time.time() < deadline and conftest._pid_alive(pid):
+        time.sleep(0.05)
+    assert not conftest._pid_alive(pid), f"daemon {pid} survived SIGKILL"
+    # The kernel still lists the mount, but nobody answers it any more (statfs always asks the
+    # daemon; stat may still be answered from the kernel's attribute cache). Kernels say
+    # ENOTCONN or, for an aborted connection, ECONNABORTED.
+    assert str(u.mnt) in ubiq_mounts()
+    with pytest.raises(OSError) as dead:
+        os.statvfs(u.mnt)
+    assert dead.value.errno in (errno.ENOTCONN, errno.ECONNABORTED), dead.value
+    return pid
+
+
+def test_status_names_a_crash_and_mount_recovers_the_stale_mount(ubiq):
+    write_file(ubiq.docs / "synced.txt", "in the cloud\n")
+    ubiq.sync()
+    ubiq.remount("--upload-delay-ms", "600000")
+    write_file(ubiq.docs / "queued.txt", "closed, not uploaded yet\n")
+    pid = kill_9_daemon(ubiq)
+    remedy = f"ubiqfs mount {ubiq.container} {ubiq.mnt}"
+
+    out = ubiq.run("status").stdout
+    assert "daemon crashed" in out and f"pid {pid}" in out and remedy in out, out
+    [report] = ubiq.status()
+    assert report.get("mountpoint") is None
+    assert report["crashed"] == {"pid": pid, "mountpoint": str(ubiq.mnt), "staleMount": True, "remedy": remedy}
+    # Commands that need the daemon say what to run.
+    assert_one_line_error(ubiq.run("sync", "--wait", ubiq.docs, check=False), "daemon crashed", remedy)
+    assert_one_line_error(ubiq.run("sync", "--wait", check=False), "daemon crashed", remedy)
+
+    # Mounting again detaches the stale mount (saying so in one line) and mounts.
+    cp = ubiq.run("mount", ubiq.container, ubiq.mnt, *ubiq.mount_args)
+    ubiq._note_daemon()
+    said = [line for line in (cp.stdout + cp.stderr).splitlines() if "stale" in line]
+    assert len(said) == 1 and str(ubiq.mnt) in said[0], cp.stdout + cp.stderr
+    assert ubiq_mounts().count(str(ubiq.mnt)) == 1
+    assert (ubiq.docs / "synced.txt").read_text() == "in the cloud\n"
+    assert (ubiq.docs / "queued.txt").read_text() == "closed, not uploaded yet\n"
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(ubiq.docs / "queued.txt")) == b"closed, not uploaded yet\n"
+    [report] = ubiq.status()
+    assert report["mountpoint"] == str(ubiq.mnt) and report["pid"] == ubiq.daemon_record()["pid"] != pid
+    assert report.get("crashed") is None
+    assert "crashed" not in ubiq.run("status").stdout
+
+
+def test_foreground_mount_recovers_a_stale_mount(ubiq):
+    """What systemd's Restart=on-failure runs after a crash: `ubiqfs mount --foreground`."""
+    write_file(ubiq.docs / "a.txt", "a\n")
+    ubiq.sync()
+    kill_9_daemon(ubiq)
+    log = ubiq.root / "foreground.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [conftest.UBIQFS_BIN, "mount", "--foreground", ubiq.container, str(ubiq.mnt),
+             "--state-dir", str(ubiq.state), *ubiq.mount_args],
+            env=ubiq.env, stdout=out, stderr=subprocess.STDOUT, cwd=str(ubiq.root),
+        )
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and proc.poll() is None:
+            if str(ubiq.mnt) in ubiq_mounts() and os.path.exists(ubiq.docs / "a.txt"):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"foreground mount exited {proc.returncode}: {log.read_text()}"
+        ubiq._note_daemon()
+        assert (ubiq.docs / "a.txt").read_text() == "a\n"
+        assert ubiq_mounts().count(str(ubiq.mnt)) == 1
+        said = [line for line in log.read_text().splitlines() if "stale" in line]
+        assert len(said) == 1 and str(ubiq.mnt) in said[0], log.read_text()
+        ubiq.unmount()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            conftest.kill_daemon(proc.pid)
+    ubiq.mount()
+
+
+def test_mount_elsewhere_after_a_crash_detaches_the_old_stale_mount(ubiq):
+    write_file(ubiq.docs / "a.txt", "a\n")
+    ubiq.sync()
+    old = str(ubiq.mnt)
+    kill_9_daemon(ubiq)
+    elsewhere = Ubiq(ubiq.root)
+    elsewhere.mnt = ubiq.root / "elsewhere"
+    elsewhere.mnt.mkdir()
+    cp = elsewhere.run("mount", ubiq.container, elsewhere.mnt, *ubiq.mount_args)
+    elsewhere._note_daemon()
+    try:
+        said = [line for line in (cp.stdout + cp.stderr).splitlines() if "stale" in line]
+        assert len(said) == 1 and old in said[0], cp.stdout + cp.stderr
+        assert old not in ubiq_mounts(), "the crashed daemon's mount point is still a stale mount"
+        assert (elsewhere.docs / "a.txt").read_text() == "a\n"
+        [report] = ubiq.status()
+        assert report["mountpoint"] == str(elsewhere.mnt) and report.get("crashed") is None
+    finally:
+        elsewhere.unmount()
+    ubiq.mount()
+
+
+def test_unmount_after_a_crash_clears_it(ubiq):
+    kill_9_daemon(ubiq)
+    cp = ubiq.run("unmount", ubiq.mnt)
+    assert str(ubiq.mnt) not in ubiq_mounts()
+    assert "unmounted" in cp.stdout
+    out = ubiq.run("status").stdout
+    assert "not mounted" in out and "crashed" not in out, out
+    ubiq.mount()
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+def run_on_tty(u: Ubiq, *args, timeout: float = 120) -> tuple[int, str]:
+    """Runs `ubiqfs ARGS` with its stdout on a pseudo-terminal; returns (exit code, output)."""
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO once the last writer is gone
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        cp = subprocess.run(
+            [conftest.UBIQFS_BIN, *map(str, args)], env=u.env, stdout=slave, stderr=subprocess.PIPE,
+            timeout=timeout, cwd=str(u.root),
+        )
+    finally:
+        os.close(slave)
+    reader.join(10)
+    os.close(master)
+    assert cp.stderr == b"", cp.stderr
+    return cp.returncode, b"".join(chunks).decode(errors="replace")
+
+
+def evicted_tree(u: Ubiq, sizes: list[int]) -> tuple[Path, int]:
+    """A synced, then evicted folder of files of these sizes; returns it and its byte count."""
+    d = u.docs / "media"
+    d.mkdir()
+    for i, n in enumerate(sizes):
+        write_file(d / f"f{i}.bin", os.urandom(n))
+    u.sync()
+    u.run("evict", d)
+    assert all(Ubiq.xattr(d / f"f{i}.bin", "user.ubiq.status") == "not_downloaded" for i in range(len(sizes)))
+    return d, sum(sizes)
+
+
+def json_lines(text: str) -> list[dict]:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines, "no output"
+    return [json.loads(line) for line in lines]
+
+
+def test_download_json_progress(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--download-limit", "1M")
+    d, total = evicted_tree(ubiq, [1_000_000, 700_000, 1_100_000, 10])
+    out = ubiq.run("download", "--json", d).stdout
+    reports = json_lines(out)
+    last = reports[-1]
+    assert last["done"] is True
+    assert (last["filesDone"], last["filesTotal"]) == (4, 4)
+    assert last["bytesDone"] == last["bytesTotal"] == total
+    # About 3 s at 1 MB/s: progress came while it ran, never going backwards.
+    running = reports[:-1]
+    assert running and all(r["done"] is False and r["bytesTotal"] == total for r in running), reports
+    done = [r["bytesDone"] for r in reports]
+    assert done == sorted(done), done
+    assert any(0 < r["bytesDone"] < total for r in running), reports
+    assert all(r["bytesPerSecond"] >= 0 for r in reports)
+    assert any(r.get("etaSeconds") is not None for r in running)
+    for f in d.iterdir():
+        assert Ubiq.xattr(f, "user.ubiq.status") == "current"
+    # Nothing left to fetch: one final object with nothing to do.
+    again = json_lines(ubiq.run("download", "--json", d).stdout)
+    assert again[-1]["done"] is True and again[-1]["bytesTotal"] == 0 and again[-1]["filesTotal"] == 0
+
+
+def test_download_progress_on_a_terminal_only(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--download-limit", "1M")
+    d, total = evicted_tree(ubiq, [1_200_000, 1_200_000])
+    rc, out = run_on_tty(ubiq, "download", d)
+    assert rc == 0, out
+    assert "ETA" in out and "/s" in out and "files" in out, out
+    assert "downloaded 2 files" in out, out
+    # Into a pipe (scripts), no progress output.
+    ubiq.run("evict", d)
+    cp = ubiq.run("download", d)
+    assert cp.stdout == "" and cp.stderr == ""
+    assert all(Ubiq.xattr(f, "user.ubiq.status") == "current" for f in d.iterdir())
+
+
+def test_sync_wait_json_progress_says_what_is_left(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--upload-limit", "1M")
+    for i in range(3):
+        write_file(ubiq.docs / f"u{i}.bin", os.urandom(1_000_000))
+    reports = json_lines(ubiq.run("sync", "--wait", "--json", "--timeout", "60").stdout)
+    assert reports[-1] == {"pendingUploads": 0, "pendingDeletes": 0, "pendingBytes": 0, "done": True}
+    running = reports[:-1]
+    assert running and running[0]["pendingUploads"] >= 1 and running[0]["pendingBytes"] > 0, reports
+    left = [r["pendingUploads"] for r in reports]
+    assert left == sorted(left, reverse=True), left
+    for i in range(3):
+        assert ubiq.xattr(ubiq.docs / f"u{i}.bin", "user.ubiq.uploaded") == "1"
+
+
+def test_sync_wait_progress_on_a_terminal(ubiq):
+    ubiq.remount("--upload-delay-ms", "100", "--upload-limit", "1M")
+    for i in range(2):
+        write_file(ubiq.docs / f"u{i}.bin", os.urandom(1_000_000))
+    rc, out = run_on_tty(ubiq, "sync", "--wait", ubiq.docs)
+    assert rc == 0, out
+    assert "left" in out and "upload" in out, out
+    assert "all changes uploaded" in out, out
