@@ -56,8 +56,10 @@ extension FilesystemCore {
 
   /// Downloads a file's content into the cache (a no-op if it is there).
   public func download(_ inode: Int64) throws {
-    let row = try requireRow(inode)
-    if row.kind == .file { try ensureContent(row) }
+    try coordinator.withInodeLock(inode) {
+      let row = try requireRow(inode)
+      if row.kind == .file { try ensureContent(row) }
+    }
   }
 
   /// Evicts least-recently-used clean content until the cache fits its budget and the disk keeps
@@ -94,7 +96,9 @@ extension FilesystemCore {
   public func recoverUnrecordedWrites() throws -> Int {
     var recovered = 0
     for inode in try index.dirtyContentItems() {
-      guard let row = try index.item(inode), row.kind == .file else {
+      // A file still dataless never had an acknowledged write (the first one downloads or
+      // truncates it first): what its cache file holds is a partial download.
+      guard let row = try index.item(inode), row.kind == .file, row.content == .cached else {
         try index.clearContentDirty(inode)
         continue
       }
@@ -118,7 +122,7 @@ extension FilesystemCore {
   func perform(action: String, on row: ItemRow) throws {
     switch action {
     case "download":
-      if row.kind == .file { try ensureContent(row) }
+      try download(row.id!)
     case "evict":
       try evict(row)
     default:

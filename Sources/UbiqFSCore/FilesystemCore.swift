@@ -149,9 +149,11 @@ public final class FilesystemCore: @unchecked Sendable {
       if row.kind != .file { throw UbiqError.invalidArgument("not a regular file") }
       guard size >= 0 else { throw UbiqError.invalidArgument("negative size") }
       guard size <= Self.maxFileSize else { throw UbiqError.fileTooLarge("\(size) bytes") }
-      if row.content == .dataless && size != 0 { try ensureContent(row) }
       let open = handle.flatMap { handles.get($0) }
       try coordinator.withInodeLock(inode) {
+        // Read again under the lock: a remote version or an eviction may have come in between.
+        // A size other than 0 keeps a prefix of the content, so the content must be here.
+        if size != 0 { try ensureContent(try requireRow(inode)) }
         try truncateContent(inode, to: size, through: open?.fd)
       }
       c.size = size
@@ -446,18 +448,20 @@ public final class FilesystemCore: @unchecked Sendable {
     let f = try openHandle(handle)
     let (end, overflow) = offset.addingReportingOverflow(Int64(bytes.count))
     guard offset >= 0, !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("write past 16 TiB") }
-    try beginWrite(f)
-    var done = 0
-    while done < bytes.count {
-      let n = pwrite(f.fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
-      if n < 0 {
-        if errno == EINTR { continue }
-        throw UbiqError.posix(errno, "write")
+    return try f.withWrite {
+      try beginWrite(f)
+      var done = 0
+      while done < bytes.count {
+        let n = pwrite(f.fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
+        if n < 0 {
+          if errno == EINTR { continue }
+          throw UbiqError.posix(errno, "write")
+        }
+        done += n
       }
-      done += n
+      handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+      return done
     }
-    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
-    return done
   }
 
   /// Called before a write through `f` changes the cache file. The generation moves first, so
@@ -482,19 +486,22 @@ public final class FilesystemCore: @unchecked Sendable {
 
   /// Records the handle's writes in the index and queues the upload.
   func persist(_ f: OpenFile) throws {
-    guard f.dirty else { return }
-    var st = Glibc.stat()
-    if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
-    // nil: the mtime was set explicitly after the last write; keep it.
-    let mtime = handles.takePendingMtime(f.inode)
-    try coordinator.withInodeLock(f.inode) {
-      // The last dirty handle clears the durable mark in the same transaction.
-      let clean = coordinator.dirtyHandleCount(f.inode) <= 1
-      try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
-      f.dirty = false
-      coordinator.noteFlushed(f.inode)
+    let recorded = try f.withWritesQuiesced { () throws -> Bool in
+      guard f.dirty else { return false }
+      var st = Glibc.stat()
+      if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
+      // nil: the mtime was set explicitly after the last write; keep it.
+      let mtime = handles.takePendingMtime(f.inode)
+      try coordinator.withInodeLock(f.inode) {
+        // The last dirty handle clears the durable mark in the same transaction.
+        let clean = coordinator.dirtyHandleCount(f.inode) <= 1
+        try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
+        f.dirty = false
+        coordinator.noteFlushed(f.inode)
+      }
+      return true
     }
-    onQueued()
+    if recorded { onQueued() }
   }
 
   public func flush(_ handle: UInt64) throws { try persist(try openHandle(handle)) }
@@ -533,10 +540,12 @@ public final class FilesystemCore: @unchecked Sendable {
     let (end, overflow) = offset.addingReportingOverflow(length)
     guard offset >= 0, length > 0 else { throw UbiqError.invalidArgument("fallocate range") }
     guard !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("fallocate past 16 TiB") }
-    try beginWrite(f)
-    let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
-    if r != 0 { throw UbiqError.posix(r, "fallocate") }
-    handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+    try f.withWrite {
+      try beginWrite(f)
+      let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
+      if r != 0 { throw UbiqError.posix(r, "fallocate") }
+      handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+    }
   }
 
   public func statfs() throws -> statvfs {

@@ -24,6 +24,41 @@ final class OpenFile {
     self.writable = writable
     self.epoch = epoch
   }
+
+  /// Orders writes through this handle against recording them (flush, fsync, close): writes run
+  /// side by side, a recording waits until none is in flight and holds new ones off until it
+  /// has read the size and cleared `dirty`, so no write can land unrecorded between the two.
+  private let gate = NSCondition()
+  private var writesInFlight = 0
+  private var recording = false
+
+  func withWrite<T>(_ body: () throws -> T) rethrows -> T {
+    gate.withLock {
+      while recording { gate.wait() }
+      writesInFlight += 1
+    }
+    defer {
+      gate.withLock {
+        writesInFlight -= 1
+        if writesInFlight == 0 { gate.broadcast() }
+      }
+    }
+    return try body()
+  }
+
+  func withWritesQuiesced<T>(_ body: () throws -> T) rethrows -> T {
+    gate.withLock {
+      while writesInFlight > 0 || recording { gate.wait() }
+      recording = true
+    }
+    defer {
+      gate.withLock {
+        recording = false
+        gate.broadcast()
+      }
+    }
+    return try body()
+  }
 }
 
 /// Live state of inodes that have open handles: how many, the latest write time, whether the

@@ -109,7 +109,7 @@ struct XattrSurface {
         let pin = try Self.bool(text, name)
         try fs.index.setPinned(row.id!, pin)
         // Pinned content is downloaded and kept.
-        if pin && row.kind == .file { try fs.ensureContent(row) }
+        if pin && row.kind == .file { try fs.download(row.id!) }
       case "excluded":
         try fs.index.setExcluded(row.id!, try Self.bool(text, name))
         fs.onQueued()

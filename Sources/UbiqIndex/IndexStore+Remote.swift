@@ -199,7 +199,8 @@ extension IndexStore {
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.kind == .file, row.etag != nil, !row.pinned,
         row.revision == row.syncedRevision,
-        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true,
+        try Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [inode]) != true
       else { return false }
       if row.size == 0 { return true }
       try db.execute(
@@ -217,7 +218,8 @@ extension IndexStore {
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.kind == .file, row.etag != nil, row.size > 0, row.revision == row.syncedRevision,
-        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true,
+        try Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [inode]) != true
       else { return false }
       try db.cached("UPDATE items SET content = ? WHERE id = ?").execute(arguments: [
         ContentState.dataless.rawValue, inode,
@@ -241,6 +243,7 @@ extension IndexStore {
         sql: """
           SELECT * FROM items WHERE kind = 1 AND content = 1 AND size > 0 AND pinned = 0 AND etag IS NOT NULL
             AND revision = syncedRevision AND id NOT IN (SELECT item FROM uploadQueue WHERE item IS NOT NULL)
+            AND id NOT IN (SELECT item FROM dirtyContent)
           ORDER BY lastUsedNs LIMIT ?
           """, arguments: [limit])
     }

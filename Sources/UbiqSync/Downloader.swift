@@ -253,7 +253,9 @@ public final class Downloader: @unchecked Sendable {
     } else if let e = s.failed {
       log.warning("download of \(name) failed: \(e)")
       lock.withLock { failures[s.inode] = e.description }
-    } else {
+    } else if lock.withLock({ streams[s.inode] === s }) {
+      // Only the inode's current stream may complete it: an older one of the same manifest
+      // (a revert while it ran) did not fill the cache file the index now points at.
       ok = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
       if ok {
         log.debug("downloaded \(name) (\(s.size) bytes)")

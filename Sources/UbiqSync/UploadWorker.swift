@@ -252,6 +252,24 @@ public final class UploadWorker: @unchecked Sendable {
         try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
         log.debug("uploaded \(row.name) etag \(result.etag)")
         return
+      } catch CloudError.nameTaken(let why) {
+        // Another item holds the name in the cloud. If that item is itself on its way elsewhere
+        // (two names swapped, folders exchanged, `mv a t; mv b a; mv t b`), waiting cannot help:
+        // each entry would wait for the other forever. This one steps aside under a temporary
+        // name in its new folder, the other commits, and this entry's next attempt takes the
+        // name. If it already stepped aside, the name is really taken: retry with backoff.
+        let aside = Self.asideName(item.name, itemID: item.itemID)
+        guard row.baseItem?.name != aside || row.baseItem?.parentID != item.parentID else {
+          throw CloudError.nameTaken(why)
+        }
+        var parked = item
+        parked.name = aside
+        log.info("\(row.name): name taken in the cloud (\(why)); stepping aside as \(aside)")
+        let result = try await cloud.putItem(container, parked, ifMatch: ifMatch)
+        // The cloud now has an earlier state of this item: the entry stays queued.
+        try index.markUploaded(
+          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result)
+        throw Postpone(ns: 50_000_000)
       } catch CloudError.conflict(let current) {
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
         item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
@@ -260,6 +278,15 @@ public final class UploadWorker: @unchecked Sendable {
       }
     }
     throw CloudError.unavailable("\(row.name) keeps changing in the cloud; will retry")
+  }
+
+  /// The temporary name an item takes in the cloud while the name it moves to is still held
+  /// by an item that is moving away: "name (moving 1a2b3c4d)", within the 255-byte limit.
+  static func asideName(_ name: String, itemID: String) -> String {
+    let suffix = " (moving \(itemID.prefix(8)))"
+    var base = name
+    while base.utf8.count + suffix.utf8.count > ItemName.maxBytes { base.removeLast() }
+    return base + suffix
   }
 
   /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is

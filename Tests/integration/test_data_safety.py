@@ -192,3 +192,28 @@ def test_open_writer_at_crash_is_recovered_and_uploaded(ubiq, device2):
     assert Ubiq.xattr(f, "user.ubiq.uploaded") == "1"
     wait_for(lambda: (device2.docs / "open.bin").stat().st_size == len(data), timeout=15, what="device 2 size")
     assert sha256_file(device2.docs / "open.bin") == sha256(data)
+
+
+@pytest.mark.parametrize("how", ["temporary name", "exchange"])
+def test_swapped_folder_names_upload_and_reach_other_devices(ubiq, device2, how):
+    """Two folders swap names. The cloud allows one live name per folder, so neither move can be
+    committed first as is; the uploads must still finish and every device end on the swap."""
+    for name in ("a", "b"):
+        (ubiq.docs / name).mkdir()
+        (ubiq.docs / name / "inside.txt").write_text(f"was {name}\n")
+    ubiq.sync()
+    if how == "temporary name":
+        os.rename(ubiq.docs / "a", ubiq.docs / "t")
+        os.rename(ubiq.docs / "b", ubiq.docs / "a")
+        os.rename(ubiq.docs / "t", ubiq.docs / "b")
+    else:
+        renameat2(ubiq.docs / "a", ubiq.docs / "b", RENAME_EXCHANGE)
+    ubiq.sync()
+    assert (ubiq.docs / "a" / "inside.txt").read_text() == "was b\n"
+    wait_for(
+        lambda: (device2.docs / "a" / "inside.txt").read_text() == "was b\n"
+        and (device2.docs / "b" / "inside.txt").read_text() == "was a\n"
+        and sorted(os.listdir(device2.docs)) == ["a", "b"],
+        timeout=15,
+        what="device 2 to show the swapped folders",
+    )
