@@ -360,17 +360,7 @@ public final class IndexStore: @unchecked Sendable {
       guard np.isDirectory else { throw UbiqError.notDirectory(np.name) }
       if src.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
       // Moving a directory below itself.
-      if src.isDirectory {
-        var cur: Int64? = newParent
-        var depth = 0
-        while let c = cur {
-          if c == srcID { throw UbiqError.invalidArgument("cannot move a directory into itself") }
-          depth += 1
-          // A chain longer than any real tree means the index holds a cycle: refuse, never spin.
-          if depth > Self.maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
-          cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
-        }
-      }
+      if src.isDirectory { try Self.refuseMoveBelowItself(db, srcID, into: newParent) }
       let now = Clock.nowNs()
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
       let dstID = try Self.childID(db, newParent, newName)
@@ -419,14 +409,7 @@ public final class IndexStore: @unchecked Sendable {
         arguments: [newParent, newName, now, srcID])
       try Self.touchDirectory(db, parent, now)
       if newParent != parent { try Self.touchDirectory(db, newParent, now) }
-      let nowLocalOnly = try Self.isLocalOnly(db, srcID)
-      if wasLocalOnly && !nowLocalOnly {
-        try self.enqueueSubtree(db, srcID)
-      } else if !wasLocalOnly && nowLocalOnly {
-        try self.detachSubtree(db, srcID)
-      } else {
-        try self.enqueue(db, srcID)
-      }
+      try self.enqueueMoved(db, srcID, wasLocalOnly: wasLocalOnly)
       return RenameResult(
         moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
         replaced: replaced)
@@ -445,14 +428,7 @@ public final class IndexStore: @unchecked Sendable {
     let dstID = dst.id!
     if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
     for (moving, into) in [(src, dst.parent), (dst, src.parent)] where moving.isDirectory {
-      var cur = into
-      var depth = 0
-      while let c = cur {
-        if c == moving.id { throw UbiqError.invalidArgument("cannot move a directory into itself") }
-        depth += 1
-        if depth > Self.maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
-        cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
-      }
+      try Self.refuseMoveBelowItself(db, moving.id!, into: into)
     }
     let wasLocalOnly = [try Self.isLocalOnly(db, srcID), try Self.isLocalOnly(db, dstID)]
     // Swap the two places through a temporary name (the (parent, name) pair is unique).
@@ -479,18 +455,37 @@ public final class IndexStore: @unchecked Sendable {
     }
     try Self.touchDirectory(db, src.parent!, now)
     if dst.parent != src.parent { try Self.touchDirectory(db, dst.parent!, now) }
-    for (i, id) in [srcID, dstID].enumerated() {
-      if wasLocalOnly[i] && !nowLocalOnly[i] {
-        try self.enqueueSubtree(db, id)
-      } else if !wasLocalOnly[i] && nowLocalOnly[i] {
-        try self.detachSubtree(db, id)
-      } else {
-        try self.enqueue(db, id)
-      }
-    }
+    for (i, id) in [srcID, dstID].enumerated() { try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i]) }
     return RenameResult(
       moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
       replaced: nil)
+  }
+
+  /// Queues what a move of `id` changes in the cloud: the item itself, or, if it stopped being
+  /// local-only, its whole subtree; if it became local-only, its subtree leaves the cloud.
+  func enqueueMoved(_ db: Database, _ id: Int64, wasLocalOnly: Bool) throws {
+    let nowLocalOnly = try Self.isLocalOnly(db, id)
+    if wasLocalOnly && !nowLocalOnly {
+      try enqueueSubtree(db, id)
+    } else if !wasLocalOnly && nowLocalOnly {
+      try detachSubtree(db, id)
+    } else {
+      try enqueue(db, id)
+    }
+  }
+
+  /// Throws EINVAL if directory `dir` is `start` or one of its ancestors (a move of `dir` into
+  /// `start` would put it below itself); EIO if the chain is longer than any real tree.
+  static func refuseMoveBelowItself(_ db: Database, _ dir: Int64, into start: Int64?) throws {
+    var cur = start
+    var depth = 0
+    while let c = cur {
+      if c == dir { throw UbiqError.invalidArgument("cannot move a directory into itself") }
+      depth += 1
+      // A chain longer than any real tree means the index holds a cycle: refuse, never spin.
+      if depth > maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
+      cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
+    }
   }
 
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
