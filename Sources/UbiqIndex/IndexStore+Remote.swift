@@ -33,11 +33,9 @@ extension IndexStore {
 
   /// Applies one remote item version to the index. Files whose content changed become dataless
   /// (downloaded on the next read). Never touches an item with local changes waiting to upload.
-  /// `deferNameCollisions`: a record whose name is held by another item that has no local
-  /// changes is deferred (`.deferred`) rather than renamed, because the cloud's record of that
-  /// other item may come later in the same pull (an exchange, a swap of names through moves).
+  /// `collisions` says what to do when the record's name is held by another local item.
   public func applyRemote(
-    _ r: CloudItem, uid: UInt32, gid: UInt32, deferNameCollisions: Bool = false
+    _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle
   ) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
@@ -68,7 +66,7 @@ extension IndexStore {
           outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
       }
       return try self.applyRecord(
-        db, r, to: local, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
+        db, r, to: local, uid: uid, gid: gid, collisions: collisions)
     }
   }
 
@@ -77,7 +75,7 @@ extension IndexStore {
   /// `localChunks`: what the cache holds if it differs from the row's manifest (after a merge).
   func applyRecord(
     _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil,
-    deferNameCollisions: Bool = false
+    collisions: NameCollisionPolicy = .settle
   ) throws -> RemoteApplyResult {
     guard let parentItemID = r.parentID,
       let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentItemID])
@@ -90,13 +88,20 @@ extension IndexStore {
     if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
       let other = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [otherID])
     {
-      if deferNameCollisions, other.etag != nil, other.revision == other.syncedRevision,
-        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) != true
-      {
+      let otherQueued =
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) == true
+      let otherUnchanged = other.etag != nil && other.revision == other.syncedRevision && !otherQueued
+      let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
+      if case .deferUnchangedHolders = collisions, otherUnchanged {
         return RemoteApplyResult(outcome: .deferred)
       }
-      let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
-      if otherSeq > r.changeSeq {
+      if case .moveAsideHolders(let moving) = collisions, otherUnchanged, moving.contains(other.itemID) {
+        // The holder's own record is in this pull and takes it elsewhere (two items swapped
+        // names): it waits under a temporary local name until its record is applied.
+        let parked = "\u{1}moving \(other.itemID)"
+        try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [parked, otherID])
+        stale += [(parent, other.name)]
+      } else if otherSeq > r.changeSeq {
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
           sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
@@ -148,6 +153,19 @@ extension IndexStore {
     try Self.replaceXattrs(db, row.id!, r.xattrs)
     if renamedHere { try self.enqueue(db, row.id!) }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
+  }
+
+  /// What applying a remote record does when its name is held by another local item.
+  public enum NameCollisionPolicy: Sendable {
+    /// The item that reached the cloud later yields and becomes "name 2.ext"; every device
+    /// applies the same rule.
+    case settle
+    /// Defer the record (`.deferred`) if the holder has no local changes: the holder's own
+    /// record may come later in the same pull.
+    case deferUnchangedHolders
+    /// Holders among these item ids (their records are in this pull) step aside under a
+    /// temporary local name; others are settled.
+    case moveAsideHolders(Set<String>)
   }
 
   /// "name 2.ext", "name 3.ext", ...: the first that is free in `parent`.

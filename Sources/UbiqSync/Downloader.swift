@@ -357,19 +357,24 @@ public final class ChangePuller: @unchecked Sendable {
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
       for item in batch.items {
-        let r = try apply(item, deferNameCollisions: true)
+        let r = try apply(item, collisions: .deferUnchangedHolders)
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
       // Parents may come later in the feed than their children (moves), and the item holding a
       // name may be moving away later in the feed (exchanges): retry the deferred while that
-      // makes progress, then settle the remaining name collisions by the naming rule.
-      for deferCollisions in [true, false] {
+      // makes progress. Then items that hold each other's names (a swap) step aside for each
+      // other, and any other collision is settled by the naming rule.
+      for final in [false, true] {
+        // Only items whose record can be applied now (its parent is here) may step aside.
+        let movable = try deferred.filter { try $0.parentID.flatMap { try index.item(itemID: $0) } != nil }
+        let policy: IndexStore.NameCollisionPolicy =
+          final ? .moveAsideHolders(Set(movable.map(\.itemID))) : .deferUnchangedHolders
         var progress = true
         while progress && !deferred.isEmpty {
           progress = false
           var still: [CloudItem] = []
           for item in deferred {
-            let r = try apply(item, deferNameCollisions: deferCollisions)
+            let r = try apply(item, collisions: policy)
             if r.outcome == .deferred {
               still.append(item)
             } else {
@@ -393,16 +398,18 @@ public final class ChangePuller: @unchecked Sendable {
     return effective
   }
 
-  func apply(_ item: CloudItem, deferNameCollisions: Bool = false) throws -> RemoteApplyResult {
+  func apply(
+    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle
+  ) throws -> RemoteApplyResult {
     guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
-      return try index.applyRemote(item, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
+      return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
     // transaction).
     if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try coordinator.withInodeLock(inode) {
       if coordinator.isBusy(inode) { return RemoteApplyResult(outcome: .locallyModified, inode: inode) }
-      let result = try index.applyRemote(item, uid: uid, gid: gid, deferNameCollisions: deferNameCollisions)
+      let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions)
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
       // old bytes through their descriptors.

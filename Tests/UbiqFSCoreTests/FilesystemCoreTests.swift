@@ -186,6 +186,40 @@ import UbiqSync
   }
 }
 
+extension FilesystemCoreTests {
+  @Test func anotherDeviceAppliesSwappedNamesWithoutRenamingEitherAside() throws {
+    let cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("shared-\(UUID().uuidString)")
+    defer { try? FileManager.default.removeItem(at: cloudDir) }
+    let cloud = try CloudEngine.embedded(directory: cloudDir)
+    let a = try CoreWorld(cloud: cloud)
+    let b = try CoreWorld(cloud: cloud)
+    for name in ["a", "b"] {
+      let dir = try a.core.mkdir(parent: a.documents, name: name, mode: 0o755, caller: .current)
+      try a.writeFile("\(name)/inside.txt", Data("was \(name)\n".utf8))
+      _ = dir
+    }
+    try a.drainUploads()
+    try b.pull()
+    // mv a t; mv b a; mv t b, and the same once more as an exchange.
+    let docs = a.documents
+    try a.core.rename(parent: docs, name: "a", newParent: docs, newName: "t", flags: [])
+    try a.core.rename(parent: docs, name: "b", newParent: docs, newName: "a", flags: [])
+    try a.core.rename(parent: docs, name: "t", newParent: docs, newName: "b", flags: [])
+    try a.drainUploads()
+    // Device b gets both records in one pull.
+    try b.pull()
+    #expect(try b.readFile("a/inside.txt") == Data("was b\n".utf8))
+    #expect(try b.readFile("b/inside.txt") == Data("was a\n".utf8))
+    var names: [String] = []
+    try b.core.readdir(b.documents, offset: 2) { e in
+      names.append(e.name)
+      return true
+    }
+    #expect(names.sorted() == ["a", "b"])
+    #expect(try b.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "nothing renamed here to upload")
+  }
+}
+
 /// The embedded cloud with a switch in front of chunk downloads: while held, `getChunk` waits,
 /// so a test can act while a download is in flight.
 final class GatedCloud: CloudService, @unchecked Sendable {

@@ -210,10 +210,15 @@ def test_swapped_folder_names_upload_and_reach_other_devices(ubiq, device2, how)
         renameat2(ubiq.docs / "a", ubiq.docs / "b", RENAME_EXCHANGE)
     ubiq.sync()
     assert (ubiq.docs / "a" / "inside.txt").read_text() == "was b\n"
-    wait_for(
-        lambda: (device2.docs / "a" / "inside.txt").read_text() == "was b\n"
-        and (device2.docs / "b" / "inside.txt").read_text() == "was a\n"
-        and sorted(os.listdir(device2.docs)) == ["a", "b"],
-        timeout=15,
-        what="device 2 to show the swapped folders",
-    )
+    try:
+        wait_for(
+            lambda: (device2.docs / "a" / "inside.txt").read_text() == "was b\n"
+            and (device2.docs / "b" / "inside.txt").read_text() == "was a\n"
+            and sorted(os.listdir(device2.docs)) == ["a", "b"],
+            timeout=15,
+            what="device 2 to show the swapped folders",
+        )
+    except AssertionError:
+        shown = {str(p.relative_to(device2.docs)): p.is_dir() or p.read_text() for p in device2.docs.rglob("*")}
+        cloud = sorted((i["name"], i.get("parentID")) for i in ubiq.cloud_items(include_deleted=False))
+        raise AssertionError(f"device 2 shows {shown}; the cloud has {cloud}")
