@@ -21,7 +21,11 @@ case "$what" in
 esac
 
 log="$(mktemp "${TMPDIR:-/tmp}/ubiqfs-soak-$what.XXXXXX.log")"
-swift build --build-tests >/dev/null
+if ! build_log="$(swift build --build-tests 2>&1)"; then
+  echo "$build_log" | grep -E "error" >&2
+  echo "soak: build failed" >&2
+  exit 1
+fi
 deadline=$(( $(date +%s) + $(awk "BEGIN { printf \"%d\", $hours * 3600 }") ))
 rounds=0
 sequences=0
