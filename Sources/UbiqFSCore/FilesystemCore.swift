@@ -257,9 +257,6 @@ public final class FilesystemCore: @unchecked Sendable {
     } else {
       throw UbiqError.invalidArgument("unsupported rename flags \(flags.rawValue)")
     }
-    if mode == .exchange, try index.child(of: newParent, named: newName) == nil {
-      throw UbiqError.notFound(newName)
-    }
     let result = try index.rename(parent: parent, name: name, newParent: newParent, newName: newName, mode: mode)
     if let replaced = result.replaced { dispose(replaced) }
     onQueued()

@@ -364,6 +364,8 @@ public final class IndexStore: @unchecked Sendable {
       let now = Clock.nowNs()
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
       let dstID = try Self.childID(db, newParent, newName)
+      // An exchange needs both names, checked in the same transaction as the swap.
+      if mode == .exchange && dstID == nil { throw UbiqError.notFound(newName) }
       var replaced: ItemRow? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
       if let dstID, let dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
