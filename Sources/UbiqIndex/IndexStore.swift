@@ -359,13 +359,14 @@ public final class IndexStore: @unchecked Sendable {
       }
       guard np.isDirectory else { throw UbiqError.notDirectory(np.name) }
       if src.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be moved") }
-      // Moving a directory below itself.
+      let dstID = try Self.childID(db, newParent, newName)
+      // The kernel's order of checks: a taken name under RENAME_NOREPLACE, a missing name under
+      // RENAME_EXCHANGE, then a directory moving below itself.
+      if mode == .noReplace && dstID != nil { throw UbiqError.exists(newName) }
+      if mode == .exchange && dstID == nil { throw UbiqError.notFound(newName) }
       if src.isDirectory { try Self.refuseMoveBelowItself(db, srcID, into: newParent) }
       let now = Clock.nowNs()
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
-      let dstID = try Self.childID(db, newParent, newName)
-      // An exchange needs both names, checked in the same transaction as the swap.
-      if mode == .exchange && dstID == nil { throw UbiqError.notFound(newName) }
       var replaced: ItemRow? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
       if let dstID, let dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {

@@ -355,6 +355,12 @@ final class ModelRun {
     [(0, 2, 0, 0), (10, 2, 0, 0), (11, 0, 0, 0), (8, 2, 0, 0), (14, 0, 0, 0)],
     // exchange of a new empty file with an evicted one.
     [(0, 2, 0, 0), (1, 2, 0, 0), (9, 0, 0, 3), (4, 2, 1, 0), (0, 2, 0, 0), (4, 2, 1, 1316), (10, 2, 0, 0)],
+    // the order of rename's checks: EXCHANGE to a missing name below the source is ENOENT,
+    // NOREPLACE over a taken name below the source is EEXIST, a move over an ancestor ENOTEMPTY.
+    [(6, 1, 0, 0), (4, 1, 6, 2)],
+    [(6, 1, 0, 0), (6, 6, 0, 0), (4, 1, 6, 1)],
+    [(6, 1, 0, 0), (6, 6, 0, 0), (4, 6, 1, 0)],
+    [(6, 1, 0, 0), (6, 6, 0, 0), (4, 6, 1, 2)],
   ]
 
   @Test func knownSequences() async throws {

@@ -108,8 +108,11 @@ struct ReferenceModel {
     if let e = parentError(to) { return e }
     guard let src = paths[from] else { return ENOENT }
     let dst = paths[to]
+    // The kernel's order: NOREPLACE over a taken name, EXCHANGE with a missing name, then the
+    // ancestor checks.
     if flags == 2 && dst == nil { return ENOENT }
-    if from == to { return flags == 1 ? EEXIST : 0 }
+    if flags == 1 && dst != nil { return EEXIST }
+    if from == to { return 0 }
     // A directory never moves below itself (for an exchange, in either direction).
     if nodes[src] == .directory && to.hasPrefix(from + "/") { return EINVAL }
     if flags == 2, let dst, nodes[dst] == .directory, from.hasPrefix(to + "/") { return EINVAL }
