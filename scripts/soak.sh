@@ -5,10 +5,13 @@
 #                                   (Tests/UbiqFSCoreTests/ModelTests.swift), rounds of
 #                                   UBIQ_MODEL_CASES sequences (default 2000) until HOURS
 #                                   (default 1) have passed or a round fails.
+#   scripts/soak.sh sim [HOURS]     the multi-device sync simulation
+#                                   (Tests/UbiqFSCoreTests/SyncSimulation.swift), rounds of
+#                                   UBIQ_SIM_CASES sequences (default 1000).
 #
 # Every round prints its sequence and step counts. A failure prints the shrunk step list and
 # the seed (`.fixedSeed("…")`) that replays it; the run stops there, with the whole output in
-# the log named at the end. Put the shrunk sequence into ModelTests.knownSequences.
+# the log named at the end. Put the shrunk sequence into the suite's knownSequences.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
@@ -16,8 +19,9 @@ export PATH="/opt/swift/usr/bin:$PATH"
 what="${1:-model}"
 hours="${2:-1}"
 case "$what" in
-  model) ;;
-  *) echo "soak.sh: unknown soak '$what' (known: model)" >&2; exit 2 ;;
+  model) filter=coreMatchesTheReferenceModel; cases_var=UBIQ_MODEL_CASES; default_cases=2000 ;;
+  sim) filter=devicesConvergeWithNothingLost; cases_var=UBIQ_SIM_CASES; default_cases=1000 ;;
+  *) echo "soak.sh: unknown soak '$what' (known: model, sim)" >&2; exit 2 ;;
 esac
 
 log="$(mktemp "${TMPDIR:-/tmp}/ubiqfs-soak-$what.XXXXXX.log")"
@@ -30,10 +34,11 @@ deadline=$(( $(date +%s) + $(awk "BEGIN { printf \"%d\", $hours * 3600 }") ))
 rounds=0
 sequences=0
 steps=0
-export UBIQ_MODEL_CASES="${UBIQ_MODEL_CASES:-2000}"
+cases="${!cases_var:-$default_cases}"
+export "$cases_var=$cases"
 while [ "$(date +%s)" -lt "$deadline" ]; do
   rounds=$((rounds + 1))
-  out="$(swift test --skip-build --filter coreMatchesTheReferenceModel 2>&1)" && ok=1 || ok=0
+  out="$(swift test --skip-build --filter "$filter" 2>&1)" && ok=1 || ok=0
   echo "$out" >> "$log"
   round_steps="$(echo "$out" | sed -n 's/.*"steps": \([0-9]*\).*/\1/p' | tail -1)"
   steps=$((steps + ${round_steps:-0}))
@@ -42,7 +47,7 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     echo "soak: round $rounds FAILED after $sequences sequences ($steps steps); full output: $log" >&2
     exit 1
   fi
-  sequences=$((sequences + UBIQ_MODEL_CASES))
+  sequences=$((sequences + cases))
   echo "soak: round $rounds passed ($sequences sequences, $steps steps so far)"
 done
 echo "soak: $rounds rounds, $sequences sequences, $steps steps, no failure; log: $log"

@@ -158,7 +158,15 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     current.xattrs = [:]
     current.deviceID = deviceID
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: current, ifMatch: ifMatch, rule: nil)
+      account: account, container: container.rawValue, item: current, ifMatch: ifMatch, rule: Self.deleteRule)
+  }
+
+  /// A folder is deleted only without live items in it: an item another device added (or moved)
+  /// there must not be left with a deleted parent.
+  static let deleteRule: TreeRule = { tree in
+    if let child = tree.liveChild {
+      throw CloudError.notEmpty("'\(child.name)' (item \(child.itemID)) is still in the folder")
+    }
   }
 
   public func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {

@@ -75,6 +75,8 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case cycle(String)
   /// Another live item of the same parent already has the name.
   case nameTaken(String)
+  /// A folder that still has live items cannot be deleted.
+  case notEmpty(String)
 
   public var description: String {
     switch self {
@@ -91,6 +93,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .badParent(let m): return "bad parent: \(m)"
     case .cycle(let m): return "cycle: \(m)"
     case .nameTaken(let m): return "name taken: \(m)"
+    case .notEmpty(let m): return "not empty: \(m)"
     }
   }
 
@@ -107,6 +110,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .badParent: return ENOENT
     case .cycle: return EINVAL
     case .nameTaken: return EEXIST
+    case .notEmpty: return ENOTEMPTY
     default: return EIO
     }
   }

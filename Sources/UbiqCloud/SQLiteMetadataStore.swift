@@ -117,7 +117,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       }
       let current = try Self.record(db, account, container, item.itemID)
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      if let rule, !item.deleted { try rule(try Self.treeSnapshot(db, account, container, item)) }
+      if let rule { try rule(try Self.treeSnapshot(db, account, container, item)) }
       return try Self.store(db, account, container, item)
     }
   }
@@ -133,6 +133,14 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   static func treeSnapshot(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws
     -> TreeSnapshot
   {
+    if item.deleted {
+      let child = try Data.fetchOne(
+        db,
+        sql: "SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND deleted = 0 LIMIT 1",
+        arguments: [account, container, item.itemID]
+      ).map { try decoder.decode(CloudItem.self, from: $0) }
+      return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
+    }
     var ancestors: [CloudItem] = []
     var seen = Set<String>()
     var next = item.parentID

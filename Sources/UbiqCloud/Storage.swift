@@ -47,9 +47,12 @@ public struct TreeSnapshot: Sendable {
   public var ancestors: [CloudItem]
   /// A live item, other than the written one, with the same parent and name.
   public var namesake: CloudItem?
-  public init(ancestors: [CloudItem], namesake: CloudItem?) {
+  /// For a delete: a live item whose parent is the deleted one.
+  public var liveChild: CloudItem?
+  public init(ancestors: [CloudItem], namesake: CloudItem?, liveChild: CloudItem? = nil) {
     self.ancestors = ancestors
     self.namesake = namesake
+    self.liveChild = liveChild
   }
   /// The deepest ancestry an engine reads; deeper trees are refused as cycles.
   public static let maxDepth = 4096

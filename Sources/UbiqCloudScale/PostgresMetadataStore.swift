@@ -209,7 +209,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           """, logger: log), String.self
       ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      if let rule, !item.deleted { try rule(try await self.treeSnapshot(conn, account, container, item)) }
+      if let rule { try rule(try await self.treeSnapshot(conn, account, container, item)) }
       return try await self.store(conn, account, container, item)
     }
   }
@@ -228,6 +228,16 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   func treeSnapshot(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem)
     async throws -> TreeSnapshot
   {
+    if item.deleted {
+      let child = try await Self.first(
+        try await conn.query(
+          """
+          SELECT record FROM items WHERE account = \(account) AND container = \(container)
+          AND parent_id = \(item.itemID) AND NOT deleted LIMIT 1
+          """, logger: log), String.self
+      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+      return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
+    }
     var ancestors: [CloudItem] = []
     var seen = Set<String>()
     var next = item.parentID

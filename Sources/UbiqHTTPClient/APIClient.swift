@@ -119,6 +119,7 @@ public struct APIClient: Sendable {
     case (409, "bad_parent"): return CloudError.badParent(message)
     case (409, "cycle"): return CloudError.cycle(message)
     case (409, "name_taken"): return CloudError.nameTaken(message)
+    case (409, "not_empty"): return CloudError.notEmpty(message)
     case (400, "invalid_id"): return CloudError.invalidID(message)
     case (_, "missing_chunks"): return CloudError.missingChunks(parsed?.missing ?? [])
     case (_, "hash_mismatch"): return CloudError.hashMismatch(message)

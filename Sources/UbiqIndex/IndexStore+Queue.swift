@@ -70,6 +70,13 @@ extension IndexStore {
     }
   }
 
+  /// Whether entries older than `seq` are still queued.
+  public func hasQueuedEntries(before seq: Int64) throws -> Bool {
+    try pool.read { db in
+      try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE seq < ? LIMIT 1"), arguments: [seq]) == true
+    }
+  }
+
   public func markDone(seq: Int64) throws {
     try pool.write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
   }

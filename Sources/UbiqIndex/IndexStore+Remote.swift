@@ -46,6 +46,10 @@ extension IndexStore {
       }
       let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
       if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
+      // Older than what this device already has (a held record passed by its own upload).
+      if let local, let seq = local.etag.flatMap({ Int64($0) }), r.changeSeq < seq {
+        return RemoteApplyResult(outcome: .unchanged, inode: local.id)
+      }
       if let local,
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
       {
@@ -81,6 +85,13 @@ extension IndexStore {
       let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentItemID])
     else { return RemoteApplyResult(outcome: .deferred) }
     var stale: [(Int64, String)] = []
+    if let local, local.isDirectory, local.parent != parent {
+      // A folder moving below one of its own descendants here: a move made on this device and
+      // not yet in the cloud crossed it. The cloud took the other move first, so this one is undone.
+      guard try undoCrossedMoves(db, of: local.id!, into: parent, stale: &stale) else {
+        return RemoteApplyResult(outcome: .deferred)
+      }
+    }
     // Two items want one name: the one that reached the cloud later (or not yet) yields and
     // becomes "name 2.ext". Every device applies the same rule, so all converge.
     var name = r.name
@@ -155,6 +166,51 @@ extension IndexStore {
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
   }
 
+  /// Makes room for folder `dir` to move into `parent` when `parent` is below `dir` here: each
+  /// folder on the way up whose place is a local move not yet in the cloud goes back to where
+  /// the cloud has it (under a free name if its old one is taken), as a new local revision that
+  /// is uploaded. False if the loop remains (nothing local to undo).
+  func undoCrossedMoves(_ db: Database, of dir: Int64, into parent: Int64, stale: inout [(Int64, String)])
+    throws -> Bool
+  {
+    for _ in 0..<8 {
+      // The chain from `parent` up to `dir`, if `parent` is below `dir`.
+      var chain: [ItemRow] = []
+      var cur: Int64? = parent
+      while let c = cur, c != dir, chain.count <= Self.maxDepth {
+        guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [c]) else {
+          break
+        }
+        chain.append(row)
+        cur = row.parent
+      }
+      guard cur == dir else { return true }
+      var undone = false
+      for row in chain {
+        guard let base = row.baseItem, let baseParentID = base.parentID,
+          let baseParent = try Int64.fetchOne(
+            db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
+          baseParent != row.parent
+        else { continue }
+        var name = base.name
+        if let holder = try Self.childID(db, baseParent, name), holder != row.id {
+          name = try Self.freeName(db, baseParent, name)
+        }
+        let wasLocalOnly = try Self.isLocalOnly(db, row.id!)
+        try db.execute(
+          sql: "UPDATE items SET parent = ?, name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+          arguments: [baseParent, name, Clock.nowNs(), row.id!])
+        try enqueueMoved(db, row.id!, wasLocalOnly: wasLocalOnly)
+        if let p = row.parent { stale.append((p, row.name)) }
+        stale.append((baseParent, name))
+        undone = true
+        break
+      }
+      if !undone { return false }
+    }
+    return false
+  }
+
   /// What applying a remote record does when its name is held by another local item.
   public enum NameCollisionPolicy: Sendable {
     /// The item that reached the cloud later yields and becomes "name 2.ext"; every device
@@ -180,15 +236,29 @@ extension IndexStore {
   }
 
   /// After the uploader merged a conflict and committed `merged`, makes the local row match it
-  /// (the row keeps its revision, so a newer local change still uploads).
-  public func adoptMerged(_ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef]) throws -> RemoteApplyResult {
+  /// (the row keeps its revision, so a newer local change still uploads). `keepingPlace`: the
+  /// commit parked the item under a temporary name; the row keeps its own parent and name, as
+  /// a local change still to upload.
+  public func adoptMerged(
+    _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false
+  ) throws -> RemoteApplyResult {
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == merged.itemID
       else {
         return RemoteApplyResult(outcome: .unchanged)
       }
-      return try self.applyRecord(db, merged, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
+      var result = try self.applyRecord(db, merged, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
+      if keepingPlace, let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        now.parent != row.parent || now.name != row.name
+      {
+        try db.execute(
+          sql: "UPDATE items SET parent = ?, name = ?, revision = revision + 1 WHERE id = ?",
+          arguments: [row.parent, row.name, inode])
+        try self.enqueue(db, inode)
+        result.staleEntries = result.staleEntries.filter { $0 != (row.parent ?? 0, row.name) }
+      }
+      return result
     }
   }
 
@@ -311,6 +381,41 @@ extension IndexStore {
       try row.update(db)
       try self.enqueue(db, inode)
       return contentChanged
+    }
+  }
+}
+
+extension IndexStore {
+  /// Keeps a remote record that could not be applied because the item has local changes (a
+  /// queued delete, a handle open for writing), so it is applied once they are done instead of
+  /// being passed by with the change token. Only the newest record of an item is kept.
+  public func holdRemote(_ r: CloudItem) throws {
+    let data = try JSONEncoder().encode(r)
+    try pool.write { db in
+      try db.execute(
+        sql: """
+          INSERT INTO heldRemote(itemID, changeSeq, record) VALUES (?, ?, ?)
+          ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, record = excluded.record
+          WHERE excluded.changeSeq > heldRemote.changeSeq
+          """, arguments: [r.itemID, r.changeSeq, data])
+    }
+  }
+
+  /// The held remote records, oldest change first.
+  public func heldRemote() throws -> [CloudItem] {
+    try pool.read { db in
+      try Data.fetchAll(db.cached("SELECT record FROM heldRemote ORDER BY changeSeq")).map {
+        try JSONDecoder().decode(CloudItem.self, from: $0)
+      }
+    }
+  }
+
+  /// Forgets the held record of `itemID` if it is not newer than `changeSeq` (nil: whatever it is).
+  public func releaseHeldRemote(itemID: String, upTo changeSeq: Int64? = nil) throws {
+    try pool.write { db in
+      try db.execute(
+        sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?",
+        arguments: [itemID, changeSeq ?? Int64.max])
     }
   }
 }

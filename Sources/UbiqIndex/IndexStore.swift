@@ -65,6 +65,11 @@ public final class IndexStore: @unchecked Sendable {
       try db.execute(
         sql: "CREATE TABLE dirtyContent(item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE)")
     }
+    m.registerMigration("v4-held-remote") { db in
+      // Remote records not applied yet because the item had local changes, newest per item.
+      try db.execute(
+        sql: "CREATE TABLE heldRemote(itemID TEXT PRIMARY KEY, changeSeq INTEGER NOT NULL, record BLOB NOT NULL)")
+    }
     return m
   }
 

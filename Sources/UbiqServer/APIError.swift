@@ -103,6 +103,7 @@ public struct APIError: Error, Sendable {
     case .badParent: return APIError(.conflict, "bad_parent", e.description)
     case .cycle: return APIError(.conflict, "cycle", e.description)
     case .nameTaken: return APIError(.conflict, "name_taken", e.description)
+    case .notEmpty: return APIError(.conflict, "not_empty", e.description)
     }
   }
 }

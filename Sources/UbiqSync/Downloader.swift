@@ -333,6 +333,9 @@ public final class ChangePuller: @unchecked Sendable {
   private var task: Task<Void, Never>?
   private let lock = NSLock()
   private var stopped = false
+  /// The wait for the next change in progress, cancelled by `wake`.
+  private var waiting: Task<Bool, Error>?
+  private var wakeRequested = false
 
   public init(
     index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator,
@@ -352,7 +355,7 @@ public final class ChangePuller: @unchecked Sendable {
   @discardableResult
   public func pullOnce() async throws -> [RemoteApplyResult] {
     var token = try index.changeToken()
-    var all: [RemoteApplyResult] = []
+    var all = try applyHeld()
     var deferred: [CloudItem] = []
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
@@ -398,9 +401,42 @@ public final class ChangePuller: @unchecked Sendable {
     return effective
   }
 
+  /// Applies the records held back earlier because their items had local changes, in change
+  /// order, while that makes progress. A record still blocked (local changes, or its parent is
+  /// not here yet) stays held.
+  func applyHeld() throws -> [RemoteApplyResult] {
+    var held = try index.heldRemote()
+    var results: [RemoteApplyResult] = []
+    var progress = true
+    while progress && !held.isEmpty {
+      progress = false
+      var still: [CloudItem] = []
+      for item in held {
+        let r = try apply(item, collisions: .settle, holding: false)
+        if r.outcome == .deferred || r.outcome == .locallyModified {
+          still.append(item)
+        } else {
+          try index.releaseHeldRemote(itemID: item.itemID, upTo: item.changeSeq)
+          results.append(r)
+          progress = true
+        }
+      }
+      held = still
+    }
+    return results
+  }
+
+  /// Applies one record. `holding`: a record the item's local changes block is kept (see
+  /// `IndexStore.holdRemote`) and applied by a later pull, once they are done.
   func apply(
-    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle
+    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
   ) throws -> RemoteApplyResult {
+    let result = try applyNow(item, collisions: collisions)
+    if holding && result.outcome == .locallyModified { try index.holdRemote(item) }
+    return result
+  }
+
+  func applyNow(_ item: CloudItem, collisions: IndexStore.NameCollisionPolicy) throws -> RemoteApplyResult {
     guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
       return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions)
     }
@@ -435,7 +471,7 @@ public final class ChangePuller: @unchecked Sendable {
             log.info("cloud reachable again")
             onRecovered()
           }
-          _ = try await cloud.waitForChanges(container, since: try index.changeToken(), timeoutMs: 25_000)
+          try await waitForChanges()
         } catch is CancellationError {
           return
         } catch {
@@ -448,8 +484,41 @@ public final class ChangePuller: @unchecked Sendable {
     }
   }
 
+  /// Waits for the cloud's next change (long-poll of up to 25 s), or until `wake`.
+  private func waitForChanges() async throws {
+    let since = try index.changeToken()
+    let wait = Task { [cloud, container] in try await cloud.waitForChanges(container, since: since, timeoutMs: 25_000) }
+    let woken = lock.withLock {
+      if wakeRequested || stopped { return true }
+      waiting = wait
+      return false
+    }
+    if woken {
+      wait.cancel()
+    } else {
+      _ = try? await wait.value
+    }
+    lock.withLock {
+      waiting = nil
+      wakeRequested = false
+    }
+    try Task.checkCancellation()
+  }
+
+  /// Pulls now instead of waiting for the cloud's next change: something was held back or
+  /// refused that the next pull settles.
+  public func wake() {
+    lock.withLock {
+      wakeRequested = true
+      waiting?.cancel()
+    }
+  }
+
   public func stop() async {
-    lock.withLock { stopped = true }
+    lock.withLock {
+      stopped = true
+      waiting?.cancel()
+    }
     task?.cancel()
     await task?.value
   }

@@ -30,6 +30,9 @@ public final class UploadWorker: @unchecked Sendable {
   public var onMerged: ([RemoteApplyResult]) -> Void = { _ in }
   /// Called under the inode lock when a merged version replaced an item's cached content.
   public var onContentReplaced: (Int64) -> Void = { _ in }
+  /// Called when the cloud refused a change that only a pull can settle: a delete of an item
+  /// changed elsewhere, a move into a folder that moved meanwhile.
+  public var onNeedsPull: () -> Void = {}
   /// Optional bandwidth cap for uploads.
   public var limiter: RateLimiter?
   /// Uploads whose content is being sent, by inode.
@@ -155,12 +158,23 @@ public final class UploadWorker: @unchecked Sendable {
         guard entry.deleteEtag != nil else { return try index.markDone(seq: entry.seq) }
         do {
           _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
+          try index.releaseHeldRemote(itemID: itemID)
         } catch CloudError.notFound {
           // Already gone.
+          try index.releaseHeldRemote(itemID: itemID)
         } catch CloudError.conflict(let current) {
-          // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost);
-          // the next pull brings it back.
-          log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag))")
+          // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost).
+          // The cloud's version comes back here with the next pull.
+          log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
+          try index.holdRemote(current)
+          onNeedsPull()
+        } catch CloudError.notEmpty(let why) {
+          // A folder that another device put something into. Entries queued before this one may
+          // still move this device's own items out of it: they go first.
+          if try index.hasQueuedEntries(before: entry.seq) { throw CloudError.notEmpty(why) }
+          log.info("delete of folder \(itemID) skipped: \(why); restoring it")
+          if let current = try await cloud.item(container, itemID: itemID) { try index.holdRemote(current) }
+          onNeedsPull()
         }
         try index.markDone(seq: entry.seq)
       }
@@ -170,6 +184,13 @@ public final class UploadWorker: @unchecked Sendable {
       let (message, code) = Self.describe(error)
       log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
       try? index.markFailed(seq: entry.seq, error: message, errno: code)
+      switch error {
+      case CloudError.cycle, CloudError.badParent:
+        // The item's new place moved or went away in the cloud: the pull brings that here, and
+        // settles this change (a move that loses a crossed move is undone).
+        onNeedsPull()
+      default: break
+      }
     }
   }
 
@@ -234,21 +255,22 @@ public final class UploadWorker: @unchecked Sendable {
     var item = local
     var ifMatch = row.etag
     var merged = false
+    // The committed version mixes both sides: bring the local row in line with it.
+    func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
+      let applied = try coordinator.withInodeLock(inode) {
+        let applied = try index.adoptMerged(inode, result, localChunks: chunks, keepingPlace: keepingPlace)
+        if applied.outcome == .updated(contentChanged: true) {
+          cache.remove(inode)
+          onContentReplaced(inode)
+        }
+        return applied
+      }
+      onMerged([applied])
+    }
     for _ in 0..<8 {
       do {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
-        if merged {
-          // The committed version mixes both sides: bring the local row in line with it.
-          let applied = try coordinator.withInodeLock(inode) {
-            let applied = try index.adoptMerged(inode, result, localChunks: chunks)
-            if applied.outcome == .updated(contentChanged: true) {
-              cache.remove(inode)
-              onContentReplaced(inode)
-            }
-            return applied
-          }
-          onMerged([applied])
-        }
+        if merged { try adopt(result, keepingPlace: false) }
         try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
         log.debug("uploaded \(row.name) etag \(result.etag)")
         return
@@ -266,6 +288,8 @@ public final class UploadWorker: @unchecked Sendable {
         parked.name = aside
         log.info("\(row.name): name taken in the cloud (\(why)); stepping aside as \(aside)")
         let result = try await cloud.putItem(container, parked, ifMatch: ifMatch)
+        // A merged version is now the item's content: the row takes it, keeping its own name.
+        if merged { try adopt(result, keepingPlace: true) }
         // The cloud now has an earlier state of this item: the entry stays queued.
         try index.markUploaded(
           seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result)

@@ -93,6 +93,7 @@ final class Daemon {
       gid: getgid(), logger: log)
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
+    worker.onNeedsPull = { puller.wake() }
     puller.onApplied = { fs.remoteChangesApplied($0) }
     puller.onContentReplaced = { fs.contentReplaced($0) }
     puller.onRecovered = {

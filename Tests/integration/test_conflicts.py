@@ -133,3 +133,54 @@ def test_file_added_in_directory_deleted_elsewhere_is_kept(pair):
     for u in (a, b):
         wait_for(lambda: (u.docs / "proj" / "new.txt").exists(), timeout=15, what=f"new.txt kept on {u.root.name}")
         assert read(u.docs / "proj" / "new.txt") == b"new work\n"
+
+
+def test_edit_beats_a_delete_that_waits_to_upload(pair):
+    """A deletes (its upload waits 1.5 s); B, which uploads at once, edits. A's pull sees the
+    edit while A's delete is still queued; the cloud then refuses the delete. The edit wins,
+    and A gets the file back."""
+    a, b = pair
+    b.unmount()
+    b.mount("--upload-delay-ms", "0", "--pull-interval-ms", "100")
+    (a.docs / "f.txt").write_text("v1\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "f.txt").exists(), what="f.txt on b")
+    os.unlink(a.docs / "f.txt")
+    (b.docs / "f.txt").write_text("edited on B\n")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: (u.docs / "f.txt").exists() and read(u.docs / "f.txt") == b"edited on B\n",
+                 timeout=15, what=f"edit kept on {u.root.name}")
+        assert u.status()[0]["queue"]["pendingItems"] == 0
+
+
+def test_crossed_folder_moves_lose_nothing(pair):
+    """A moves X into Y; 0.3 s later, before A's move arrives, B moves Y into X. Each move is
+    valid where it is made; the cloud takes A's first, B's is undone, and every folder and file
+    stays visible on both devices."""
+    a, b = pair
+    for name in ("X", "Y"):
+        (a.docs / name).mkdir()
+        (a.docs / name / f"in-{name}.txt").write_text(f"inside {name}\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "Y" / "in-Y.txt").exists(), what="folders on b")
+    os.rename(a.docs / "X", a.docs / "Y" / "X")
+    time.sleep(0.3)
+    os.rename(b.docs / "Y", b.docs / "X" / "Y")
+    settle(a, b, rounds=4)
+    want = {"Y": None, "Y/in-Y.txt": b"inside Y\n", "Y/X": None, "Y/X/in-X.txt": b"inside X\n"}
+
+    def tree(u):
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(u.docs):
+            rel = os.path.relpath(dirpath, u.docs)
+            for d in dirnames:
+                out[os.path.normpath(os.path.join(rel, d))] = None
+            for f in filenames:
+                out[os.path.normpath(os.path.join(rel, f))] = read(os.path.join(dirpath, f))
+        return out
+
+    for u in (a, b):
+        wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
+        status = u.status()[0]
+        assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status

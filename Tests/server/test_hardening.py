@@ -77,6 +77,22 @@ def test_one_live_name_per_parent(api):
     assert put(api, folder("b", "same")).status == 201
 
 
+def test_a_folder_with_live_items_is_not_deleted(api):
+    api.ensure_container(C)
+    d = put(api, folder("nd", "nonempty")).json()
+    sub = put(api, folder("nd-sub", "sub", parent="nd")).json()
+    assert api.put(f"/v1/chunks/{sha(b'inside')}", b"inside").status in (200, 201)
+    assert put(api, item("nd-file", "f.txt", b"inside", parent="nd-sub")).status == 201
+    error(api.delete(f"{CQ}/items/nd", headers={"If-Match": f'"{d["etag"]}"'}), 409, "not_empty")
+    error(api.delete(f"{CQ}/items/nd-sub", headers={"If-Match": f'"{sub["etag"]}"'}), 409, "not_empty")
+    # Nothing was deleted; once the contents are gone (rm -r order), the folders go too.
+    assert not api.get(f"{CQ}/items/nd").json()["deleted"]
+    f = api.get(f"{CQ}/items/nd-file").json()
+    assert api.delete(f"{CQ}/items/nd-file", headers={"If-Match": f'"{f["etag"]}"'}).status == 200
+    assert api.delete(f"{CQ}/items/nd-sub", headers={"If-Match": f'"{sub["etag"]}"'}).status == 200
+    assert api.delete(f"{CQ}/items/nd", headers={"If-Match": f'"{d["etag"]}"'}).status == 200
+
+
 # ---------------------------------------------------------------------------- numbers
 
 
