@@ -131,7 +131,16 @@ extension IndexStore {
             path: path, attempts: e.attempts, error: e.lastError ?? "", errno: e.lastErrno ?? 0,
             nextAttemptNs: e.nextAttemptNs))
       }
-      return QueueSummary(pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing)
+      var waiting = 0
+      for data in try Data.fetchAll(db, sql: "SELECT record FROM heldRemote") {
+        guard let r = try? JSONDecoder().decode(CloudItem.self, from: data), !r.deleted, let parent = r.parentID
+        else { continue }
+        if try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE itemID = ?"), arguments: [parent]) != true {
+          waiting += 1
+        }
+      }
+      return QueueSummary(
+        pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing, waitingForParent: waiting)
     }
   }
 

@@ -144,6 +144,9 @@ public struct QueueSummary: Sendable, Codable {
   public var pendingDeletes: Int
   public var pendingBytes: Int64
   public var failing: [FailingUpload]
+  /// Changes from the cloud held back because their folder is missing here (and in the cloud's
+  /// feed so far): applied as soon as it arrives.
+  public var waitingForParent: Int = 0
 }
 
 /// An upload that failed at least once and is waiting for its next attempt.

@@ -389,12 +389,21 @@ public final class ChangePuller: @unchecked Sendable {
         }
       }
       token = batch.token
-      // Never move the token past an item still waiting for its parent: the next pull sees it
-      // again (re-applying what was applied is a no-op, the etags match).
+      if !batch.hasMore {
+        // Records whose folder is not here (not in the cloud either, or a change of this device
+        // keeps it away) are held, not left in front of the token: the feed moves on, every later
+        // pull retries them, and `ubiqfs status` counts them.
+        for item in deferred { try index.holdRemote(item) }
+        try index.setChangeToken(token)
+        break
+      }
+      // Mid-feed, the token stays before the first record still waiting for its parent, which
+      // may come on a later page.
       let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
       try index.setChangeToken(safe)
-      if !batch.hasMore { break }
     }
+    // Held records whose folder this pull brought.
+    all += try applyHeld()
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
     if !effective.isEmpty { onApplied(effective) }

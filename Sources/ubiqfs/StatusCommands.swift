@@ -144,6 +144,9 @@ struct StatusCommand: ParsableCommand {
           let wait = max(0, (f.nextAttemptNs - now) / 1_000_000_000)
           print("  error: \(f.path): \(f.error) (attempt \(f.attempts), retry in \(wait)s)")
         }
+        if q.waitingForParent > 0 {
+          print("  \(q.waitingForParent) changes from the cloud wait for a folder that is not here yet")
+        }
       }
     }
   }

@@ -1,10 +1,10 @@
 import Foundation
 import PropertyBased
 import Testing
-import UbiqCloud
 import UbiqCore
 import UbiqIndex
 
+@testable import UbiqCloud
 @testable import UbiqFSCore
 @testable import UbiqSync
 
@@ -524,6 +524,42 @@ final class SyncSimulation {
         for (d, k, a, b, n) in steps { try sim.run(SyncStep(device: d, kind: k, a: a, b: b, n: n)) }
         try sim.finish()
       }
+    }
+  }
+
+  /// A record whose folder exists nowhere (stored before the cloud checked parents) must not
+  /// hold the change token back: the feed moves on (no busy loop of long-polls that return at
+  /// once), the rest syncs, status counts it, and it appears as soon as its folder does.
+  @Test func aRecordWithoutItsFolderIsHeldAndTheFeedMovesOn() async throws {
+    try await onOwnThread {
+      let cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("orphan-\(UUID().uuidString)")
+      defer { try? FileManager.default.removeItem(at: cloudDir) }
+      let cloud = try CloudEngine.embedded(directory: cloudDir)
+      let a = try CoreWorld(cloud: cloud)
+      let b = try CoreWorld(cloud: cloud)
+      let orphan = CloudItem(
+        itemID: "orphan-1", parentID: "folder-not-here", name: "orphan.txt", kind: .directory, mode: 0o755, size: 0,
+        mtimeNs: 0)
+      _ = try runBlocking {
+        try await cloud.metadata.commit(
+          account: cloud.account, container: a.container.rawValue, item: orphan, ifMatch: nil, rule: nil)
+      }
+      try a.writeFile("fine.txt", Data("synced\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      #expect(try b.readFile("fine.txt") == Data("synced\n".utf8))
+      let token = try b.index.changeToken()
+      let moreToPull = try runBlocking { try await cloud.waitForChanges(b.container, since: token, timeoutMs: 300) }
+      #expect(!moreToPull, "the change token stays before the orphan: every long-poll returns at once")
+      #expect(try b.index.queueSummary().waitingForParent == 1)
+      // The folder arrives: the held record follows in the same pull.
+      let folder = CloudItem(
+        itemID: "folder-not-here", parentID: WellKnownItem.documents, name: "late", kind: .directory, mode: 0o755,
+        size: 0, mtimeNs: 0)
+      _ = try runBlocking { try await cloud.putItem(a.container, folder, ifMatch: nil) }
+      try b.pull()
+      #expect(try b.inode("late/orphan.txt") != nil)
+      #expect(try b.index.queueSummary().waitingForParent == 0)
     }
   }
 
