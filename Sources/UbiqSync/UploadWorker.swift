@@ -24,6 +24,10 @@ public final class UploadWorker: @unchecked Sendable {
   private var kicked = false
   private var stopped = false
   private var task: Task<Void, Never>?
+  /// Consecutive attempts whose outcome could not be recorded in the index (its disk is full):
+  /// the worker pauses, 1 s doubling to 60 s, instead of repeating work it cannot record.
+  private var unrecorded = 0
+  private var pausedUntilNs: UInt64 = 0
   /// Bytes of chunk data sent to the cloud since start (for tests and status).
   public private(set) var bytesSent: Int64 = 0
   /// Called after a merged version was committed and applied to the index.
@@ -94,6 +98,10 @@ public final class UploadWorker: @unchecked Sendable {
     while true {
       let (_, stop) = takeKick()
       if stop { return }
+      if let pause = pauseLeftNs() {
+        try? await Task.sleep(nanoseconds: min(pause, 100_000_000))
+        continue
+      }
       var didWork = false
       do {
         let due = try index.dueQueue(now: Clock.nowNs(), limit: 64)
@@ -135,12 +143,12 @@ public final class UploadWorker: @unchecked Sendable {
         }
         launched += 1
       }
-      if takeKick().stopped {
+      if takeKick().stopped || pauseLeftNs() != nil {
         for t in preparing.values {
           t.cancel()
           _ = try? await t.value
         }
-        return true
+        return lock.withLock { stopped }
       }
       await process(due[i], prepared: preparing.removeValue(forKey: i))
     }
@@ -178,12 +186,13 @@ public final class UploadWorker: @unchecked Sendable {
         }
         try index.markDone(seq: entry.seq)
       }
+      recorded(true)
     } catch let e as Postpone {
-      try? index.postpone(seq: entry.seq, byNs: e.ns)
+      recorded((try? index.postpone(seq: entry.seq, byNs: e.ns)) != nil)
     } catch {
       let (message, code) = Self.describe(error)
       log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
-      try? index.markFailed(seq: entry.seq, error: message, errno: code)
+      recorded((try? index.markFailed(seq: entry.seq, error: message, errno: code)) != nil)
       switch error {
       case CloudError.cycle, CloudError.badParent:
         // The item's new place moved or went away in the cloud: the pull brings that here, and
@@ -195,6 +204,29 @@ public final class UploadWorker: @unchecked Sendable {
   }
 
   struct Postpone: Error { var ns: Int64 }
+
+  /// Notes whether an attempt's outcome reached the index; after one that did not, the worker
+  /// pauses (see `unrecorded`).
+  private func recorded(_ ok: Bool) {
+    lock.withLock {
+      if ok {
+        unrecorded = 0
+        return
+      }
+      unrecorded += 1
+      let pause = min(UInt64(60_000_000_000), UInt64(1_000_000_000) << UInt64(min(unrecorded - 1, 6)))
+      pausedUntilNs = Clock.monotonicNs() + pause
+    }
+    if !ok { log.error("the index cannot record upload results (is its disk full?); uploads pause") }
+  }
+
+  /// Nanoseconds left of a pause, or nil.
+  private func pauseLeftNs() -> UInt64? {
+    lock.withLock {
+      let now = Clock.monotonicNs()
+      return pausedUntilNs > now ? pausedUntilNs - now : nil
+    }
+  }
 
   static func describe(_ error: Error) -> (String, Int32) {
     switch error {

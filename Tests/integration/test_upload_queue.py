@@ -3,11 +3,14 @@ coalesced saves, and sync --wait."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import subprocess
 import time
 
 from conftest import Ubiq
-from helpers import sha256, sha256_file
+from helpers import sha256, sha256_file, write_file
 from test_devices_and_content import wait_for
 
 
@@ -171,3 +174,51 @@ def test_status_xattr_that_grows_between_size_query_and_read_is_no_erange(ubiq):
     assert _getxattr(f, "user.ubiq.percent_uploaded", 0)[0] == 3
     assert Ubiq.xattr(f, "user.ubiq.percent_uploaded") == "100"
     assert "user.ubiq.etag" in os.listxattr(f)
+
+
+def test_a_full_state_disk_pauses_uploads_instead_of_repeating_them(ubiq):
+    """The state folder's disk fills up while uploads are queued. The cloud accepts a commit but
+    the index cannot record it: the uploader must pause and back off, not commit again and again
+    (each repeat is a change every other device pulls). Once there is room again, everything
+    uploads and nothing was lost."""
+    ubiq.unmount()
+    cdir = ubiq.container_dir()
+    saved = ubiq.root / "saved-container"
+    shutil.copytree(cdir, saved)
+    shutil.rmtree(cdir)
+    cdir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(cdir)], check=True)
+    filler = cdir / "filler"
+    try:
+        for entry in saved.iterdir():
+            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, cdir / entry.name)
+        ubiq.mount("--upload-delay-ms", "3000")
+        for i in range(30):
+            write_file(ubiq.docs / f"q{i}.txt", f"queued {i}\n")
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+        # Let the queued uploads become due and fail to be recorded for a while.
+        seq0 = max((i["changeSeq"] for i in ubiq.cloud_items()), default=0)
+        time.sleep(8)
+        commits = max((i["changeSeq"] for i in ubiq.cloud_items()), default=0) - seq0
+        print(f"commits in 8 s with a full state disk: {commits}")
+        assert commits <= 80, f"{commits} commits in 8 s with a full state disk: the uploader repeats work it cannot record"
+        os.unlink(filler)
+        ubiq.sync(timeout=120)
+        live = {i["name"]: i for i in ubiq.cloud_items(include_deleted=False)}
+        for i in range(30):
+            assert f"q{i}.txt" in live, f"q{i}.txt never reached the cloud"
+            assert ubiq.cloud_content(live[f"q{i}.txt"]["itemID"]) == f"queued {i}\n".encode()
+            assert (ubiq.docs / f"q{i}.txt").read_text() == f"queued {i}\n"
+        assert ubiq.status()[0]["queue"]["pendingItems"] == 0
+    finally:
+        try:
+            ubiq.unmount()
+        except Exception:
+            subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(cdir)], capture_output=True)
