@@ -238,9 +238,12 @@ extension IndexStore {
   /// After the uploader merged a conflict and committed `merged`, makes the local row match it
   /// (the row keeps its revision, so a newer local change still uploads). `keepingPlace`: the
   /// commit parked the item under a temporary name; the row keeps its own parent and name, as
-  /// a local change still to upload.
+  /// a local change still to upload. `keepingContent`: the file is open for writing, so its
+  /// cached bytes stay current; the merged version's content becomes a conflict version and
+  /// the local content is uploaded again on top.
   public func adoptMerged(
-    _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false
+    _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false,
+    keepingContent: Bool = false
   ) throws -> RemoteApplyResult {
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
@@ -248,15 +251,34 @@ extension IndexStore {
       else {
         return RemoteApplyResult(outcome: .unchanged)
       }
-      var result = try self.applyRecord(db, merged, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
-      if keepingPlace, let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
-        now.parent != row.parent || now.name != row.name
+      var adopted = merged
+      let keepContent = keepingContent && row.kind == .file && merged.chunks != localChunks
+      if keepContent {
+        var conflicts = (merged.conflicts ?? []).filter { $0.chunks != localChunks }
+        conflicts.append(
+          ConflictVersion(
+            versionID: "v\(merged.etag)", deviceID: merged.deviceID, mtimeNs: merged.mtimeNs, size: merged.size,
+            chunks: merged.chunks))
+        adopted.conflicts = conflicts
+        adopted.chunks = localChunks
+        adopted.size = row.size
+        adopted.mtimeNs = row.mtimeNs
+      }
+      var result = try self.applyRecord(db, adopted, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
+      var moveBack = false
+      if keepingPlace, let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode])
       {
+        moveBack = now.parent != row.parent || now.name != row.name
+      }
+      if moveBack {
         try db.execute(
-          sql: "UPDATE items SET parent = ?, name = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [row.parent, row.name, inode])
-        try self.enqueue(db, inode)
+          sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [row.parent, row.name, inode])
         result.staleEntries = result.staleEntries.filter { $0 != (row.parent ?? 0, row.name) }
+      }
+      if moveBack || keepContent {
+        // The cloud does not have this state yet: it is a local revision to upload.
+        try db.execute(sql: "UPDATE items SET revision = revision + 1 WHERE id = ?", arguments: [inode])
+        try self.enqueue(db, inode)
       }
       return result
     }

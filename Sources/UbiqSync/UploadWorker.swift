@@ -290,7 +290,9 @@ public final class UploadWorker: @unchecked Sendable {
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
       let applied = try coordinator.withInodeLock(inode) {
-        let applied = try index.adoptMerged(inode, result, localChunks: chunks, keepingPlace: keepingPlace)
+        // Opened for writing while the merge was committed: its cache file must stay.
+        let applied = try index.adoptMerged(
+          inode, result, localChunks: chunks, keepingPlace: keepingPlace, keepingContent: coordinator.isBusy(inode))
         if applied.outcome == .updated(contentChanged: true) {
           cache.remove(inode)
           onContentReplaced(inode)
@@ -329,6 +331,9 @@ public final class UploadWorker: @unchecked Sendable {
       } catch CloudError.conflict(let current) {
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
         item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
+        // The other side's content would replace the cache file under a handle open for
+        // writing, and what is written through it next would be lost: merge after it closes.
+        if item.chunks != chunks && coordinator.isBusy(inode) { throw Postpone(ns: 500_000_000) }
         ifMatch = current.etag
         merged = true
       }

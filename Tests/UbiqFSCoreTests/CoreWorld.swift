@@ -101,6 +101,13 @@ final class CoreWorld: @unchecked Sendable {
     throw UbiqError.busy("the upload queue does not drain")
   }
 
+  /// One pass over the entries due now; what fails or is postponed stays queued.
+  func drainUploadsOnce() throws {
+    let due = try index.dueQueue(now: Int64.max / 2, limit: 64)
+    let w = worker!
+    if !due.isEmpty { _ = try runBlocking { await w.drain(due) } }
+  }
+
   /// Applies every remote change.
   func pull() throws {
     let p = puller!

@@ -570,6 +570,38 @@ final class SyncSimulation {
     }
   }
 
+  /// A conflict whose merge makes the other device's content current must not pull the cache
+  /// file from under a handle open for writing: what is written through it afterwards is kept.
+  @Test func aMergeWaitsForAnOpenWriter() async throws {
+    try await onOwnThread {
+      let cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("merge-\(UUID().uuidString)")
+      defer { try? FileManager.default.removeItem(at: cloudDir) }
+      let cloud = try CloudEngine.embedded(directory: cloudDir)
+      let a = try CoreWorld(cloud: cloud)
+      let b = try CoreWorld(cloud: cloud)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try a.writeFile("f", Data("v2 from a\n".utf8))
+      try b.writeFile("f", Data("v3 from b, newer\n".utf8))
+      try b.drainUploads()
+      // An editor on a holds f open for writing while a's upload meets b's newer version.
+      let inode = try #require(try a.inode("f"))
+      let handle = try a.core.open(inode, flags: O_WRONLY, caller: .current).handle
+      try a.drainUploadsOnce()
+      let v4 = Data("v4 written through the open handle\n".utf8)
+      _ = try v4.withUnsafeBytes { try a.core.write(handle, $0, offset: 0) }
+      try a.core.flush(handle)
+      a.core.release(handle)
+      try a.drainUploads()
+      try b.pull()
+      for w in [a, b] {
+        let now = try w.readFile("f")
+        #expect(now.starts(with: v4), "the bytes written through the open handle are current")
+      }
+    }
+  }
+
   @Test func devicesConvergeWithNothingLost() async {
     print("sync simulation: \(Self.cases) random sequences of up to 40 steps on 3 devices (UBIQ_SIM_CASES)")
     await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...40)) { steps in
