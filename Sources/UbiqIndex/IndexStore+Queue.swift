@@ -60,6 +60,9 @@ extension IndexStore {
           result.etag, manifest, ItemRow.json(result), result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
           revision, inode,
         ])
+      // Held records of the item that this version supersedes (a merge took them in).
+      try db.execute(
+        sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [itemID, result.changeSeq])
       if row.revision == revision {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       } else {
@@ -70,10 +73,31 @@ extension IndexStore {
     }
   }
 
-  /// Whether entries older than `seq` are still queued.
-  public func hasQueuedEntries(before seq: Int64) throws -> Bool {
+  /// Whether entries older than `seq` may still take items out of folder `folderItemID` in the
+  /// cloud: deletes (their place is gone), and changes of items the cloud has in that folder.
+  public func hasQueuedEntries(before seq: Int64, touching folderItemID: String) throws -> Bool {
     try pool.read { db in
-      try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE seq < ? LIMIT 1"), arguments: [seq]) == true
+      try Bool.fetchOne(
+        db.cached(
+          """
+          SELECT 1 FROM uploadQueue q LEFT JOIN items i ON i.id = q.item
+          WHERE q.seq < ? AND (q.deleteItemID IS NOT NULL OR json_extract(i.base, '$.parentID') = ?) LIMIT 1
+          """), arguments: [seq, folderItemID]) == true
+    }
+  }
+
+  /// Finishes a queued delete: the cloud deleted the item (its held records go with it), or
+  /// refused because the item changed there (`restoring`: the cloud's record, held so that the
+  /// next pull brings it back). One transaction, so no pull sees the entry gone without the
+  /// held record in place.
+  public func finishDelete(seq: Int64, itemID: String, restoring current: CloudItem?) throws {
+    try pool.write { db in
+      try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+      if let current {
+        try Self.holdRemote(db, current)
+      } else {
+        try db.execute(sql: "DELETE FROM heldRemote WHERE itemID = ?", arguments: [itemID])
+      }
     }
   }
 

@@ -34,11 +34,32 @@ extension IndexStore {
   /// Applies one remote item version to the index. Files whose content changed become dataless
   /// (downloaded on the next read). Never touches an item with local changes waiting to upload.
   /// `collisions` says what to do when the record's name is held by another local item.
+  /// `holding`: a record that local changes block is held (see `holdRemote`) in the same
+  /// transaction. A record that is applied (or found stale) releases the held records of its
+  /// item that it supersedes.
   public func applyRemote(
-    _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle
+    _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle, holding: Bool = false
   ) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
+      let result = try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions)
+      switch result.outcome {
+      case .locallyModified:
+        if holding { try Self.holdRemote(db, r) }
+      case .deferred:
+        break
+      default:
+        try db.execute(
+          sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [r.itemID, r.changeSeq])
+      }
+      return result
+    }
+  }
+
+  func applyRemote(
+    _ db: Database, _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy
+  ) throws -> RemoteApplyResult {
+    do {
       // Deleted here, delete not yet done in the cloud: do not bring it back.
       if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true
       {
@@ -52,7 +73,9 @@ extension IndexStore {
       }
       if let local,
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
+          || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [local.id!]) == true
       {
+        // Changes queued, or written through a handle and not recorded yet.
         return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
       }
       if r.deleted {
@@ -190,7 +213,9 @@ extension IndexStore {
         guard let base = row.baseItem, let baseParentID = base.parentID,
           let baseParent = try Int64.fetchOne(
             db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-          baseParent != row.parent
+          baseParent != row.parent,
+          // Going back must not put the folder below itself (its old parent moved into it).
+          try !Self.isWithin(db, baseParent, row.id!)
         else { continue }
         var name = base.name
         if let holder = try Self.childID(db, baseParent, name), holder != row.id {
@@ -207,6 +232,18 @@ extension IndexStore {
         break
       }
       if !undone { return false }
+    }
+    return false
+  }
+
+  /// Whether `node` is `ancestor` or below it (a chain longer than any real tree counts as yes).
+  static func isWithin(_ db: Database, _ node: Int64, _ ancestor: Int64) throws -> Bool {
+    var cur: Int64? = node
+    var depth = 0
+    while let c = cur {
+      if c == ancestor || depth > maxDepth { return true }
+      depth += 1
+      cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
     }
     return false
   }
@@ -412,15 +449,16 @@ extension IndexStore {
   /// queued delete, a handle open for writing), so it is applied once they are done instead of
   /// being passed by with the change token. Only the newest record of an item is kept.
   public func holdRemote(_ r: CloudItem) throws {
-    let data = try JSONEncoder().encode(r)
-    try pool.write { db in
-      try db.execute(
-        sql: """
-          INSERT INTO heldRemote(itemID, changeSeq, record) VALUES (?, ?, ?)
-          ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, record = excluded.record
-          WHERE excluded.changeSeq > heldRemote.changeSeq
-          """, arguments: [r.itemID, r.changeSeq, data])
-    }
+    try pool.write { db in try Self.holdRemote(db, r) }
+  }
+
+  static func holdRemote(_ db: Database, _ r: CloudItem) throws {
+    try db.execute(
+      sql: """
+        INSERT INTO heldRemote(itemID, changeSeq, record) VALUES (?, ?, ?)
+        ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, record = excluded.record
+        WHERE excluded.changeSeq > heldRemote.changeSeq
+        """, arguments: [r.itemID, r.changeSeq, try JSONEncoder().encode(r)])
   }
 
   /// The held remote records, oldest change first.

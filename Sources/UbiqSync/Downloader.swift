@@ -355,7 +355,7 @@ public final class ChangePuller: @unchecked Sendable {
   @discardableResult
   public func pullOnce() async throws -> [RemoteApplyResult] {
     var token = try index.changeToken()
-    var all = try applyHeld()
+    var all: [RemoteApplyResult] = []
     var deferred: [CloudItem] = []
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
@@ -402,7 +402,8 @@ public final class ChangePuller: @unchecked Sendable {
       let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
       try index.setChangeToken(safe)
     }
-    // Held records whose folder this pull brought.
+    // Held records, after the feed: those a newer record superseded are gone, and a record
+    // whose folder this pull brought, or whose item's local changes are done, applies now.
     all += try applyHeld()
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
@@ -421,11 +422,11 @@ public final class ChangePuller: @unchecked Sendable {
       progress = false
       var still: [CloudItem] = []
       for item in held {
+        // Applied (or found stale), the record releases itself (IndexStore.applyRemote).
         let r = try apply(item, collisions: .settle, holding: false)
         if r.outcome == .deferred || r.outcome == .locallyModified {
           still.append(item)
         } else {
-          try index.releaseHeldRemote(itemID: item.itemID, upTo: item.changeSeq)
           results.append(r)
           progress = true
         }
@@ -440,21 +441,18 @@ public final class ChangePuller: @unchecked Sendable {
   func apply(
     _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
   ) throws -> RemoteApplyResult {
-    let result = try applyNow(item, collisions: collisions)
-    if holding && result.outcome == .locallyModified { try index.holdRemote(item) }
-    return result
-  }
-
-  func applyNow(_ item: CloudItem, collisions: IndexStore.NameCollisionPolicy) throws -> RemoteApplyResult {
     guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
-      return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions)
+      return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
     // transaction).
     if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try coordinator.withInodeLock(inode) {
-      if coordinator.isBusy(inode) { return RemoteApplyResult(outcome: .locallyModified, inode: inode) }
-      let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions)
+      if coordinator.isBusy(inode) {
+        if holding { try index.holdRemote(item) }
+        return RemoteApplyResult(outcome: .locallyModified, inode: inode)
+      }
+      let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
       // old bytes through their descriptors.
@@ -502,16 +500,22 @@ public final class ChangePuller: @unchecked Sendable {
       waiting = wait
       return false
     }
+    var failure: Error? = nil
     if woken {
       wait.cancel()
     } else {
-      _ = try? await wait.value
+      do { _ = try await wait.value } catch { failure = error }
     }
-    lock.withLock {
-      waiting = nil
-      wakeRequested = false
+    let interrupted = lock.withLock {
+      defer {
+        waiting = nil
+        wakeRequested = false
+      }
+      return wakeRequested || stopped
     }
     try Task.checkCancellation()
+    // A failed long-poll that `wake` or `stop` did not cancel goes to the caller's retry pause.
+    if let failure, !interrupted { throw failure }
   }
 
   /// Pulls now instead of waiting for the cloud's next change: something was held back or

@@ -159,32 +159,35 @@ public final class UploadWorker: @unchecked Sendable {
     do {
       if let inode = entry.item {
         let p = try await (prepared ?? Task { try await self.prepare(inode) }).value
-        guard let p else { return try index.markDone(seq: entry.seq) }
-        try await commit(entry, inode, p)
+        if let p {
+          try await commit(entry, inode, p)
+        } else {
+          try index.markDone(seq: entry.seq)
+        }
       } else if let itemID = entry.deleteItemID {
         // No etag: the item never reached the cloud (an upload would have filled it in).
-        guard entry.deleteEtag != nil else { return try index.markDone(seq: entry.seq) }
-        do {
-          _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
-          try index.releaseHeldRemote(itemID: itemID)
-        } catch CloudError.notFound {
-          // Already gone.
-          try index.releaseHeldRemote(itemID: itemID)
-        } catch CloudError.conflict(let current) {
-          // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost).
-          // The cloud's version comes back here with the next pull.
-          log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
-          try index.holdRemote(current)
-          onNeedsPull()
-        } catch CloudError.notEmpty(let why) {
-          // A folder that another device put something into. Entries queued before this one may
-          // still move this device's own items out of it: they go first.
-          if try index.hasQueuedEntries(before: entry.seq) { throw CloudError.notEmpty(why) }
-          log.info("delete of folder \(itemID) skipped: \(why); restoring it")
-          if let current = try await cloud.item(container, itemID: itemID) { try index.holdRemote(current) }
-          onNeedsPull()
+        var restoring: CloudItem? = nil
+        if entry.deleteEtag != nil {
+          do {
+            _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
+          } catch CloudError.notFound {
+            // Already gone.
+          } catch CloudError.conflict(let current) {
+            // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost).
+            // The cloud's version comes back here with the next pull.
+            log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
+            restoring = current
+          } catch CloudError.notEmpty(let why) {
+            // A folder that another device put something into. Entries queued before this one
+            // may still move this device's own items out of it: they go first.
+            if try index.hasQueuedEntries(before: entry.seq, touching: itemID) { throw CloudError.notEmpty(why) }
+            log.info("delete of folder \(itemID) skipped: \(why); restoring it")
+            restoring = try await cloud.item(container, itemID: itemID)
+          }
         }
-        try index.markDone(seq: entry.seq)
+        // No etag: the item never reached the cloud (an upload would have filled it in).
+        try index.finishDelete(seq: entry.seq, itemID: itemID, restoring: restoring)
+        if restoring != nil { onNeedsPull() }
       }
       recorded(true)
     } catch let e as Postpone {

@@ -24,10 +24,10 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let paths = ["f", "g", "d", "e", "d/f", "d/g", "e/f", "d/e", "d/e/f", "e/d"]
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
-    "openForWriting", "closeAll",
+    "openForWriting", "closeAll", "writeOpen",
   ]
   /// How often each kind is drawn (out of 32).
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 5, 1, 2, 1]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 4, 1, 2, 1, 1]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
@@ -134,8 +134,8 @@ final class SyncSimulation {
   var observed: [Set<String>]
   var log: [String] = []
   var step = 0
-  /// Handles each device holds open for writing.
-  var open: [[UInt64]]
+  /// Handles each device holds open for writing, with their inodes.
+  var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
 
   init(devices count: Int) throws {
@@ -234,11 +234,23 @@ final class SyncSimulation {
         guard let inode = try w.inode(s.p), try w.core.getattr(inode).kind == .file else {
           throw UbiqError.notFound(s.p)
         }
-        open[d].append(try w.core.open(inode, flags: O_WRONLY, caller: .current).handle)
+        open[d].append((try w.core.open(inode, flags: O_WRONLY, caller: .current).handle, inode))
       }
     case "closeAll":
-      for h in open[d] { w.core.release(h) }
-      open[d] = []
+      closeAll(d)
+    case "writeOpen":
+      // Replaces the content through the handle opened last. write(2) returned: the bytes must
+      // survive (a crash's recovery records them).
+      if let (handle, inode) = open[d].last {
+        attempt {
+          guard let row = try w.index.item(inode) else { throw UbiqError.notFound("inode \(inode)") }
+          let data = Data("write \(writes.count) through a handle of device \(d) at step \(step)\n".utf8)
+          supersede(d, [inode])
+          _ = try w.core.setattr(inode, AttributeUpdate(size: 0), handle: handle)
+          _ = try data.withUnsafeBytes { try w.core.write(handle, $0, offset: 0) }
+          writes.append(AcknowledgedWrite(device: d, data: data, itemID: row.itemID, inode: inode))
+        }
+      }
     default:
       break
     }
@@ -331,6 +343,11 @@ final class SyncSimulation {
     }
   }
 
+  func closeAll(_ d: Int) {
+    for (h, _) in open[d] { devices[d].core.release(h) }
+    open[d] = []
+  }
+
   /// Records what device `d`'s index shows now.
   func observe(_ d: Int) throws {
     let rows = try devices[d].index.pool.read { db in try ItemRow.fetchAll(db, sql: "SELECT * FROM items") }
@@ -344,8 +361,7 @@ final class SyncSimulation {
   func quiesce() throws -> Bool {
     for link in links { link.clearFaults() }
     for d in devices.indices {
-      for h in open[d] { devices[d].core.release(h) }
-      open[d] = []
+      closeAll(d)
     }
     for round in 0..<12 {
       var moved = false
@@ -462,6 +478,9 @@ final class SyncSimulation {
           "device \(d) differs from device 0; steps: \(log)\n\(diff(views[0].tree, views[d].tree))")
       }
     }
+    for d in devices.indices {
+      #expect(try devices[d].index.heldRemote().isEmpty, "device \(d) still holds remote records; steps: \(log)")
+    }
     let cloud = try cloudTree()
     #expect(cloud.orphans == 0, "the cloud has \(cloud.orphans) items outside the tree; steps: \(log)")
     #expect(
@@ -522,6 +541,16 @@ final class SyncSimulation {
     [(2, 0, 3, 0, 0), (0, 0, 1, 0, 0), (2, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 3, 0, 0), (2, 5, 3, 1, 0)],
     // A commit whose reply was lost, then another device that saw the version overwrites it.
     [(0, 0, 0, 0, 0), (0, 7, 0, 0, 62), (1, 8, 0, 0, 0), (1, 0, 0, 0, 0)],
+    // A record held for its missing folder is released by the item's tombstone.
+    [
+      (0, 3, 2, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 4, 0, 0), (1, 6, 0, 0, 0), (0, 4, 2, 0, 0),
+      (0, 8, 0, 0, 0), (1, 2, 4, 0, 0), (1, 6, 0, 0, 0), (0, 8, 0, 0, 0), (0, 6, 0, 0, 0),
+    ],
+    // Writes through a handle kept open while the other device's version arrives.
+    [
+      (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 10, 0, 0, 0), (0, 0, 0, 0, 0), (0, 6, 0, 0, 0),
+      (1, 8, 0, 0, 0), (1, 12, 0, 0, 0), (1, 6, 0, 0, 0), (1, 11, 0, 0, 0),
+    ],
   ]
 
   @Test func knownSequences() async throws {
