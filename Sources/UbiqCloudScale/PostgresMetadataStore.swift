@@ -126,6 +126,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       device TEXT NOT NULL, created_at BIGINT NOT NULL, revoked BOOLEAN NOT NULL DEFAULT FALSE)
     """,
     "CREATE INDEX IF NOT EXISTS tokens_by_account ON tokens(account)",
+    // Tokens from before scopes become device tokens: nothing old can manage devices until the
+    // admin CLI issues an account token.
+    "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS scope TEXT NOT NULL DEFAULT 'device'",
+    "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS expires_at BIGINT",
     """
     CREATE TABLE IF NOT EXISTS kv(account TEXT NOT NULL, container TEXT NOT NULL, key TEXT NOT NULL,
       value TEXT, timestamp BIGINT NOT NULL, device TEXT NOT NULL, seq BIGINT NOT NULL, cost BIGINT NOT NULL,
@@ -426,16 +430,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       _ = try await self.usageRow(conn, record.account)
       try await conn.query(
         """
-        INSERT INTO tokens(id, hash, account, device, created_at, revoked)
-        VALUES (\(record.id), \(tokenHash), \(record.account), \(record.device), \(record.createdAt), FALSE)
+        INSERT INTO tokens(id, hash, account, device, created_at, revoked, scope, expires_at)
+        VALUES (\(record.id), \(tokenHash), \(record.account), \(record.device), \(record.createdAt), FALSE,
+          \(record.scope.rawValue), \(record.expiresAt))
         """, logger: log)
     }
   }
 
   func tokenRecords(_ rows: PostgresRowSequence) async throws -> [TokenRecord] {
     var out: [TokenRecord] = []
-    for try await (id, account, device, created, revoked) in rows.decode((String, String, String, Int64, Bool).self) {
-      out.append(TokenRecord(id: id, account: account, device: device, createdAt: created, revoked: revoked))
+    for try await (id, account, device, created, revoked, scope, expires) in rows.decode(
+      (String, String, String, Int64, Bool, String, Int64?).self)
+    {
+      out.append(
+        TokenRecord(
+          id: id, account: account, device: device, createdAt: created, revoked: revoked,
+          scope: TokenScope(rawValue: scope) ?? .device, expiresAt: expires))
     }
     return out
   }
@@ -445,7 +455,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       try await self.tokenRecords(
         try await conn.query(
           """
-          SELECT id, account, device, created_at, revoked FROM tokens WHERE hash = \(tokenHash) AND NOT revoked
+          SELECT id, account, device, created_at, revoked, scope, expires_at FROM tokens
+          WHERE hash = \(tokenHash) AND NOT revoked
           """, logger: log)
       ).first
     }
@@ -456,7 +467,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       try await self.tokenRecords(
         try await conn.query(
           """
-          SELECT id, account, device, created_at, revoked FROM tokens WHERE account = \(account)
+          SELECT id, account, device, created_at, revoked, scope, expires_at FROM tokens WHERE account = \(account)
           ORDER BY created_at, id
           """, logger: log))
     }
@@ -468,6 +479,17 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         try await conn.query(
           """
           UPDATE tokens SET revoked = TRUE WHERE account = \(account) AND id = \(id) AND NOT revoked RETURNING 1::INT4
+          """, logger: log), Int32.self) != nil
+    }
+  }
+
+  public func rotateToken(account: String, id: String, oldHash: String, newHash: String) async throws -> Bool {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          """
+          UPDATE tokens SET hash = \(newHash)
+          WHERE account = \(account) AND id = \(id) AND hash = \(oldHash) AND NOT revoked RETURNING 1::INT4
           """, logger: log), Int32.self) != nil
     }
   }
