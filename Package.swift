@@ -49,6 +49,7 @@ let package = Package(
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
         .product(name: "Crypto", package: "swift-crypto"),
         .product(name: "Logging", package: "swift-log"),
+        .product(name: "NIOSSL", package: "swift-nio-ssl"),
       ]),
     // The client of `ubiqfs serve`: HTTPCloud (CloudService) and HTTPKeyValue (KeyValueService).
     .target(

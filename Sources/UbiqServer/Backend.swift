@@ -49,6 +49,7 @@ public struct Backend: Sendable {
       var poolLogger = logger
       poolLogger.logLevel = .error
       let store = try PostgresMetadataStore(url: url, logger: poolLogger)
+      try await PostgresMetadataStore.probe(url: url, logger: poolLogger)
       let http = HTTPClient(
         eventLoopGroupProvider: .singleton,
         configuration: .init(timeout: .init(connect: .seconds(5), read: .seconds(60))))

@@ -14,6 +14,13 @@ struct StorageOptions: ParsableArguments {
   var data: String?
   @Option(help: "PostgreSQL URL for the scale-out engine ($UBIQFS_POSTGRES_URL), e.g. postgres://u:p@host/db.")
   var postgres: String?
+  @Option(
+    help:
+      "PostgreSQL TLS ($UBIQFS_POSTGRES_SSLMODE): disable, prefer, require, verify-ca, verify-full (use verify-full in production)."
+  )
+  var postgresSslmode: String?
+  @Option(help: "CA certificate (PEM) that verifies PostgreSQL's certificate ($UBIQFS_POSTGRES_CA).")
+  var postgresCa: String?
   @Option(help: "S3 endpoint URL ($UBIQFS_S3_ENDPOINT), e.g. http://127.0.0.1:8333.") var s3Endpoint: String?
   @Option(help: "S3 bucket ($UBIQFS_S3_BUCKET).") var s3Bucket: String?
   @Option(help: "S3 access key ($UBIQFS_S3_ACCESS_KEY).") var s3AccessKey: String?
@@ -44,7 +51,9 @@ struct StorageOptions: ParsableArguments {
         throw ValidationError("the scale-out engine (--postgres) also needs \(missing.joined(separator: ", "))")
       }
       return .scaleOut(
-        postgresURL: pg,
+        postgresURL: try Self.postgresURL(
+          pg, sslmode: pick(postgresSslmode, "UBIQFS_POSTGRES_SSLMODE"),
+          rootCertificate: pick(postgresCa, "UBIQFS_POSTGRES_CA").map(absolutePath)),
         s3: S3Config(
           endpoint: endpoint!, bucket: bucket!, accessKey: access!, secretKey: secret!,
           region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""
@@ -53,6 +62,26 @@ struct StorageOptions: ParsableArguments {
     let dir =
       pick(data, "UBIQFS_SERVER_DIR") ?? (Paths(stateDir: stateDir, cloudDir: nil).stateRoot.path + "/server")
     return .embedded(directory: URL(fileURLWithPath: absolutePath(dir)))
+  }
+
+  /// The PostgreSQL URL with `sslmode` and `sslrootcert` set from the options (they win over
+  /// the URL's own).
+  static func postgresURL(_ url: String, sslmode: String?, rootCertificate: String?) throws -> String {
+    if sslmode == nil && rootCertificate == nil { return url }
+    guard var c = URLComponents(string: url) else {
+      throw UbiqError.invalidArgument("bad PostgreSQL URL (want postgres://user:password@host:port/database)")
+    }
+    var items = c.queryItems ?? []
+    if let sslmode {
+      items.removeAll { $0.name == "sslmode" }
+      items.append(URLQueryItem(name: "sslmode", value: sslmode))
+    }
+    if let rootCertificate {
+      items.removeAll { $0.name == "sslrootcert" }
+      items.append(URLQueryItem(name: "sslrootcert", value: rootCertificate))
+    }
+    c.queryItems = items
+    return c.string ?? url
   }
 
   /// Opens the engine, runs `body` against it, closes it.

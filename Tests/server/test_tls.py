@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from test_api import C, put_file
-from ubiqstack import UBIQFS_BIN, Api, ServerProcess, TlsFiles, create_account
+from ubiqstack import UBIQFS_BIN, Api, PostgresCluster, ScaleStorage, ServerProcess, TlsFiles, create_account, run_cli
 
 
 def _non_loopback_ip() -> str | None:
@@ -143,3 +143,61 @@ def test_plain_http_only_to_loopback_unless_insecure_http(storage, tmp_path):
         assert json.loads(st.stdout)["reachable"] is True, st.stdout
     finally:
         srv.stop()
+
+
+def test_postgres_verify_full_with_a_root_certificate(request, tmp_path):
+    """`--postgres-sslmode verify-full --postgres-ca FILE`: the server's storage connection is
+    TLS, verified against that CA and the host name; a wrong CA or a plain-text-only server
+    is refused with one line."""
+    if "scale" not in os.environ.get("UBIQFS_TEST_ENGINES", "embedded,scale").split(","):
+        pytest.skip("the scale engine is not selected (UBIQFS_TEST_ENGINES)")
+    stack = request.getfixturevalue("scale_stack")
+    tls = TlsFiles(tmp_path / "pg-tls")
+    pg = PostgresCluster(tls=tls).start()
+    try:
+        base = f"postgres://postgres@127.0.0.1:{pg.port}/ubiq"
+        storage = ScaleStorage(pg, stack.s3, bucket="ubiq-pgtls")
+        plain = [a if a != pg.url else base for a in storage.args()]
+        verified = [*plain, "--postgres-sslmode", "verify-full", "--postgres-ca", str(tls.ca)]
+        token = run_cli("server", "account", "create", "pgtls", *verified, env_extra=storage.env()).stdout.strip()
+        assert token.startswith("ubq_")
+        # The server's connections really are TLS: PostgreSQL's own view of its sessions says so.
+        class Verified:
+            def args(self):
+                return verified
+
+            def env(self):
+                return storage.env()
+
+        srv = ServerProcess(Verified(), tmp_path / "serve-pgtls.log").start()
+        try:
+            assert Api(srv.url, token).get("/v1/account").json()["account"] == "pgtls"
+            probe = subprocess.run(
+                [f"{PostgresCluster.bindir()}/psql", f"{base}?sslmode=disable", "-At", "-c",
+                 "SELECT s.ssl, count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) "
+                 "WHERE a.backend_type = 'client backend' AND a.pid <> pg_backend_pid() GROUP BY s.ssl"],
+                capture_output=True, text=True, timeout=30)
+            assert probe.returncode == 0, probe
+            assert probe.stdout.strip().splitlines() and all(
+                line.startswith("t|") for line in probe.stdout.strip().splitlines()), probe.stdout
+        finally:
+            srv.stop()
+        # Another CA: the certificate does not verify.
+        other = TlsFiles(tmp_path / "other-ca")
+        bad = run_cli("server", "account", "list", *plain, "--postgres-sslmode", "verify-full", "--postgres-ca",
+                      str(other.ca), env_extra=storage.env(), check=False)
+        line = _one_line_error(bad)
+        assert "PostgreSQL" in line and "TLS" in line, line
+        # A mode that does not exist.
+        bad = run_cli("server", "account", "list", *plain, "--postgres-sslmode", "sometimes",
+                      env_extra=storage.env(), check=False)
+        assert bad.returncode != 0 and "sslmode" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad
+    finally:
+        pg.stop()
+    # A server without TLS: verify-full refuses to go on in plain text.
+    plain_pg = stack.pg
+    args = [a if a != plain_pg.url else f"postgres://postgres@127.0.0.1:{plain_pg.port}/ubiq"
+            for a in stack.storage().args()]
+    bad = run_cli("server", "account", "list", *args, "--postgres-sslmode", "verify-full", "--postgres-ca",
+                  str(tls.ca), env_extra=stack.storage().env(), check=False)
+    _one_line_error(bad)

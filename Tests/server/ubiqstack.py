@@ -86,9 +86,11 @@ def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> int | No
 
 
 class PostgresCluster:
-    """initdb + pg_ctl in a temp folder, trust auth, listening on 127.0.0.1 only."""
+    """initdb + pg_ctl in a temp folder, trust auth, listening on 127.0.0.1 only; with `tls`
+    (a TlsFiles) it also accepts TLS with that server certificate."""
 
-    def __init__(self):
+    def __init__(self, tls: "TlsFiles | None" = None):
+        self.tls = tls
         self.root = Path(tempfile.mkdtemp(prefix="ubiq-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -123,6 +125,15 @@ class PostgresCluster:
             f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
         )
+        if self.tls:
+            cert, key = self.root / "server.pem", self.root / "server.key"
+            shutil.copy(self.tls.cert, cert)
+            shutil.copy(self.tls.key, key)
+            os.chmod(key, 0o600)
+            if self.as_postgres:
+                shutil.chown(cert, "postgres")
+                shutil.chown(key, "postgres")
+            opts += f" -c ssl=on -c ssl_cert_file={cert} -c ssl_key_file={key}"
         self._run(f"{b}/pg_ctl", "-D", self.data, "-l", self.root / "log", "-o", opts, "-w", "-t", "60", "start")
         self.started = True
         self._run(f"{b}/psql", "-h", "127.0.0.1", "-p", self.port, "-U", "postgres", "-c", "CREATE DATABASE ubiq")
