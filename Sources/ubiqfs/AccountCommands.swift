@@ -5,11 +5,13 @@ import UbiqCore
 import UbiqHTTPClient
 import UbiqIndex
 
-/// `ubiqfs account login|logout|status`: sign this machine in to a `ubiqfs serve` account.
+/// `ubiqfs account login|logout|status|devices|rotate|revoke`: sign this machine in to a
+/// `ubiqfs serve` account and manage the account's device tokens.
 struct AccountCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "account", abstract: "Sign in to a ubiqfs server account, sign out, show the account.",
-    subcommands: [Login.self, Logout.self, Status.self])
+    commandName: "account",
+    abstract: "Sign in to a ubiqfs server account, sign out, show the account, list, rotate and revoke device tokens.",
+    subcommands: [Login.self, Logout.self, Status.self, Devices.self, Rotate.self, Revoke.self])
 
   /// Sign-in changes which cloud and state folders mounts use, so it waits for unmounts.
   static func refuseWhileMounted(_ paths: Paths) throws {

@@ -5,6 +5,7 @@ tokens or revoking any other; expired and rotated-away tokens get 401."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -116,3 +117,41 @@ def test_login_with_a_device_token_is_refused(tmp_path, server, api):
     lines = cp.stderr.strip().splitlines()
     assert len(lines) == 1 and "account token" in lines[0], cp.stderr
     assert not (tmp_path / "state" / "account.json").exists()
+
+
+def test_account_cli_devices_rotate_revoke(tmp_path, server, api):
+    """`ubiqfs account devices|rotate|revoke` on a signed-in state folder."""
+    env = {**os.environ, "UBIQFS_STATE_DIR": str(tmp_path / "state")}
+    env.pop("UBIQFS_TOKEN", None)
+
+    def ubiq(*args):
+        return subprocess.run([UBIQFS_BIN, *map(str, args)], capture_output=True, text=True, env=env, timeout=60)
+
+    cp = ubiq("account", "login", "--server", server.url, "--token", api.token, "--device", "cli-dev")
+    assert cp.returncode == 0, cp
+    cfg_path = tmp_path / "state" / "account.json"
+    cfg = json.loads(cfg_path.read_text())
+    phone, phone_rec = _mint(api, "phone")
+    # Devices: listed with the device token, this one marked.
+    cp = ubiq("account", "devices")
+    assert cp.returncode == 0, cp
+    rows = {line.split("\t")[1]: line.split("\t") for line in cp.stdout.splitlines()[1:]}
+    assert rows["cli-dev"][2] == "device" and rows["cli-dev"][4] == "this device", cp.stdout
+    assert rows["setup"][2] == "account" and rows["phone"][4] == "live", cp.stdout
+    # Rotate: the saved token changes, the old one is refused, the new one works.
+    cp = ubiq("account", "rotate")
+    assert cp.returncode == 0, cp
+    new = json.loads(cfg_path.read_text())
+    assert new["token"] != cfg["token"] and new["tokenID"] == cfg["tokenID"]
+    error(api.with_token(cfg["token"]).get("/v1/account"), 401, "unauthorized")
+    assert api.with_token(new["token"]).get("/v1/account").status == 200
+    assert cfg_path.stat().st_mode & 0o777 == 0o600
+    # Revoke: needs the account token; the device token alone is refused with one line.
+    cp = ubiq("account", "revoke", phone_rec["id"])
+    assert cp.returncode != 0 and len(cp.stderr.strip().splitlines()) == 1 and "--token" in cp.stderr, cp
+    cp = ubiq("account", "revoke", phone_rec["id"], "--token", new["token"])
+    assert cp.returncode != 0 and len(cp.stderr.strip().splitlines()) == 1 and "account token" in cp.stderr, cp
+    assert phone.get("/v1/account").status == 200
+    cp = ubiq("account", "revoke", phone_rec["id"], "--token", api.token)
+    assert cp.returncode == 0, cp
+    error(phone.get("/v1/account"), 401, "unauthorized")
