@@ -20,6 +20,7 @@ let package = Package(
     .package(url: "https://github.com/apple/swift-metrics", from: "2.13.0"),
     .package(url: "https://github.com/swift-server/swift-prometheus", from: "2.4.1"),
     .package(url: "https://github.com/apple/swift-nio", from: "2.101.0"),
+    .package(url: "https://github.com/apple/swift-nio-ssl", from: "2.37.0"),
     .package(url: "https://github.com/x-sheep/swift-property-based", from: "2.0.1"),
   ],
   targets: [
@@ -48,6 +49,7 @@ let package = Package(
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
         .product(name: "Crypto", package: "swift-crypto"),
         .product(name: "Logging", package: "swift-log"),
+        .product(name: "NIOSSL", package: "swift-nio-ssl"),
       ]),
     // The client of `ubiqfs serve`: HTTPCloud (CloudService) and HTTPKeyValue (KeyValueService).
     .target(
@@ -58,6 +60,8 @@ let package = Package(
         .product(name: "NIOCore", package: "swift-nio"),
         .product(name: "NIOHTTP1", package: "swift-nio"),
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
+        .product(name: "NIOSSL", package: "swift-nio-ssl"),
+        .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
       ]),
     // `ubiqfs serve`: the HTTP API over the cloud engines.
     .target(
@@ -65,6 +69,8 @@ let package = Package(
       dependencies: [
         "UbiqCore", "UbiqCloud", "UbiqCloudScale",
         .product(name: "Hummingbird", package: "hummingbird"),
+        .product(name: "HummingbirdTLS", package: "hummingbird"),
+        .product(name: "NIOSSL", package: "swift-nio-ssl"),
         .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
         .product(name: "Metrics", package: "swift-metrics"),
         .product(name: "Prometheus", package: "swift-prometheus"),

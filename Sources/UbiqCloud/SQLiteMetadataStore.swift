@@ -59,6 +59,15 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           arguments: [item.parentID, item.name, row["rowid"] as Int64])
       }
     }
+    migrator.registerMigration("v4-token-scopes") { db in
+      // Tokens from before scopes become device tokens: nothing old can manage devices until
+      // the admin CLI issues an account token.
+      try db.execute(
+        sql: """
+          ALTER TABLE tokens ADD COLUMN scope TEXT NOT NULL DEFAULT 'device';
+          ALTER TABLE tokens ADD COLUMN expiresAt INTEGER;
+          """)
+    }
     try migrator.migrate(pool)
   }
 
@@ -318,15 +327,21 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     try await pool.write { db in
       _ = try Self.usageRow(db, record.account)
       try db.execute(
-        sql: "INSERT INTO tokens(id, hash, account, device, createdAt, revoked) VALUES (?,?,?,?,?,0)",
-        arguments: [record.id, tokenHash, record.account, record.device, record.createdAt])
+        sql: """
+          INSERT INTO tokens(id, hash, account, device, createdAt, revoked, scope, expiresAt)
+          VALUES (?,?,?,?,?,0,?,?)
+          """,
+        arguments: [
+          record.id, tokenHash, record.account, record.device, record.createdAt, record.scope.rawValue,
+          record.expiresAt,
+        ])
     }
   }
 
   static func tokenRecord(_ row: Row) -> TokenRecord {
     TokenRecord(
       id: row["id"], account: row["account"], device: row["device"], createdAt: row["createdAt"],
-      revoked: row["revoked"])
+      revoked: row["revoked"], scope: TokenScope(rawValue: row["scope"]) ?? .device, expiresAt: row["expiresAt"])
   }
 
   public func token(hash tokenHash: String) async throws -> TokenRecord? {
@@ -348,6 +363,15 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     try await pool.write { db in
       try db.execute(
         sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND id = ? AND revoked = 0", arguments: [account, id])
+      return db.changesCount > 0
+    }
+  }
+
+  public func rotateToken(account: String, id: String, oldHash: String, newHash: String) async throws -> Bool {
+    try await pool.write { db in
+      try db.execute(
+        sql: "UPDATE tokens SET hash = ? WHERE account = ? AND id = ? AND hash = ? AND revoked = 0",
+        arguments: [newHash, account, id, oldHash])
       return db.changesCount > 0
     }
   }

@@ -61,8 +61,16 @@ public struct TreeSnapshot: Sendable {
 /// A check of a commit against the tree, run by the engine inside the commit's transaction.
 public typealias TreeRule = @Sendable (TreeSnapshot) throws -> Void
 
-/// One bearer token of an account: the device it was issued to and whether it was revoked.
-/// Only the token's SHA-256 is ever stored.
+/// What a token may do. An account token (issued by the admin CLI) manages the account's devices;
+/// a device token (issued by `POST /v1/devices`, i.e. at login) syncs but cannot mint tokens or
+/// revoke any token but itself, so a stolen device cannot lock its owner out.
+public enum TokenScope: String, Codable, Sendable, CaseIterable {
+  case account
+  case device
+}
+
+/// One bearer token of an account: the device it was issued to, its scope, when it expires and
+/// whether it was revoked. Only the token's SHA-256 is ever stored.
 public struct TokenRecord: Codable, Sendable, Equatable {
   public var id: String
   public var account: String
@@ -70,12 +78,27 @@ public struct TokenRecord: Codable, Sendable, Equatable {
   /// Seconds since the Unix epoch.
   public var createdAt: Int64
   public var revoked: Bool
-  public init(id: String, account: String, device: String, createdAt: Int64, revoked: Bool = false) {
+  public var scope: TokenScope
+  /// Seconds since the Unix epoch; nil: never expires.
+  public var expiresAt: Int64?
+
+  public init(
+    id: String, account: String, device: String, createdAt: Int64, revoked: Bool = false, scope: TokenScope,
+    expiresAt: Int64? = nil
+  ) {
     self.id = id
     self.account = account
     self.device = device
     self.createdAt = createdAt
     self.revoked = revoked
+    self.scope = scope
+    self.expiresAt = expiresAt
+  }
+
+  /// True once the token's lifetime has passed (`now` in seconds since the epoch).
+  public func isExpired(now: Int64) -> Bool {
+    guard let expiresAt else { return false }
+    return now >= expiresAt
   }
 }
 
@@ -88,13 +111,17 @@ public protocol AccountStore: Sendable {
   func accounts() async throws -> [String]
   /// Stores a new token (by its hash) for a device of an account.
   func addToken(_ record: TokenRecord, tokenHash: String) async throws
-  /// The live (not revoked) token whose SHA-256 is `tokenHash`.
+  /// The live (not revoked) token whose SHA-256 is `tokenHash` (expired ones too: the caller
+  /// checks `expiresAt` against its clock).
   func token(hash tokenHash: String) async throws -> TokenRecord?
   func tokens(account: String) async throws -> [TokenRecord]
   /// Revokes one token of an account by id; false if there is no such live token.
   func revokeToken(account: String, id: String) async throws -> Bool
   /// Revokes every live token of an account (of one device if given); returns how many.
   func revokeTokens(account: String, device: String?) async throws -> Int
+  /// Replaces the hash of a live token (found by id and its current hash) in one statement, so
+  /// the old token stops working the moment the new one does; false if no such live token.
+  func rotateToken(account: String, id: String, oldHash: String, newHash: String) async throws -> Bool
 }
 
 /// The per-account, per-container key-value store's storage. Limits are enforced inside

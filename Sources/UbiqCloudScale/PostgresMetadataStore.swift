@@ -1,5 +1,6 @@
 import Foundation
 import Logging
+import NIOSSL
 import PostgresNIO
 import UbiqCloud
 import UbiqCore
@@ -20,31 +21,132 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     log = logger
   }
 
-  /// Parses `postgres://user:password@host:port/database[?sslmode=disable|prefer|require]`;
-  /// `?host=/run/postgresql` selects a Unix socket folder.
-  public static func configuration(url: String) throws -> PostgresClient.Configuration {
-    guard let c = URLComponents(string: url), c.scheme == "postgres" || c.scheme == "postgresql" else {
-      throw CloudError.invalid("bad PostgreSQL URL '\(url)' (want postgres://user:password@host:port/database)")
+  /// Where and how to connect, parsed from
+  /// `postgres://user:password@host:port/database[?sslmode=MODE][&sslrootcert=FILE]`;
+  /// `?host=/run/postgresql` selects a Unix socket folder. The modes are libpq's: `disable`
+  /// (plain text), `prefer` (default: TLS if the server offers it, unverified), `require` (TLS,
+  /// unverified unless `sslrootcert` is given, then like `verify-ca`), `verify-ca` (the chain
+  /// must verify against `sslrootcert` or the system roots), `verify-full` (the chain and the
+  /// host name must verify; the mode for production).
+  struct Settings {
+    enum Mode { case disable, prefer, require }
+    var host: String
+    var port: Int
+    var socketPath: String?
+    var user: String
+    var password: String?
+    var database: String
+    var mode: Mode
+    var tls: TLSConfiguration
+
+    init(url: String) throws {
+      guard let c = URLComponents(string: url), c.scheme == "postgres" || c.scheme == "postgresql" else {
+        throw CloudError.invalid("bad PostgreSQL URL '\(url)' (want postgres://user:password@host:port/database)")
+      }
+      let params = Dictionary(
+        (c.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
+      user = c.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? "postgres"
+      password = c.percentEncodedPassword.flatMap { $0.removingPercentEncoding }
+      database = c.path.hasPrefix("/") && c.path.count > 1 ? String(c.path.dropFirst()) : user
+      host = c.host ?? "127.0.0.1"
+      port = c.port ?? 5432
+      if let socketDir = params["host"], socketDir.hasPrefix("/") { socketPath = "\(socketDir)/.s.PGSQL.\(port)" }
+      tls = TLSConfiguration.makeClientConfiguration()
+      let root = params["sslrootcert"].flatMap { $0.isEmpty ? nil : $0 }
+      if let root {
+        let roots: [NIOSSLCertificate]
+        do { roots = try NIOSSLCertificate.fromPEMFile(root) } catch {
+          throw CloudError.invalid("cannot read the PostgreSQL root certificate \(root): \(error)")
+        }
+        guard !roots.isEmpty else { throw CloudError.invalid("no certificate in \(root)") }
+        tls.trustRoots = .certificates(roots)
+      }
+      switch params["sslmode"] ?? "prefer" {
+      case "disable": mode = .disable
+      case "prefer":
+        mode = .prefer
+        tls.certificateVerification = .none
+      case "require":
+        mode = .require
+        tls.certificateVerification = root == nil ? .none : .noHostnameVerification
+      case "verify-ca":
+        mode = .require
+        tls.certificateVerification = .noHostnameVerification
+      case "verify-full":
+        mode = .require
+        tls.certificateVerification = .fullVerification
+      case let other:
+        throw CloudError.invalid(
+          "unknown PostgreSQL sslmode '\(other)' (want disable, prefer, require, verify-ca or verify-full)")
+      }
     }
-    let params = Dictionary(
-      (c.queryItems ?? []).map { ($0.name, $0.value ?? "") }, uniquingKeysWith: { $1 })
-    let user = c.percentEncodedUser.flatMap { $0.removingPercentEncoding } ?? "postgres"
-    let password = c.percentEncodedPassword.flatMap { $0.removingPercentEncoding }
-    let db = c.path.hasPrefix("/") && c.path.count > 1 ? String(c.path.dropFirst()) : user
+
+    /// One connection's configuration (for `probe`).
+    func connection() throws -> PostgresConnection.Configuration {
+      var config: PostgresConnection.Configuration
+      if let socketPath {
+        config = .init(unixSocketPath: socketPath, username: user, password: password, database: database)
+      } else {
+        let t: PostgresConnection.Configuration.TLS
+        switch mode {
+        case .disable: t = .disable
+        case .prefer: t = .prefer(try NIOSSLContext(configuration: tls))
+        case .require: t = .require(try NIOSSLContext(configuration: tls))
+        }
+        config = .init(host: host, port: port, username: user, password: password, database: database, tls: t)
+      }
+      config.options.connectTimeout = .seconds(5)
+      return config
+    }
+  }
+
+  /// Opens and closes one connection, so a server that is down, refuses TLS or presents a
+  /// certificate that does not verify is reported at once with the reason (the pool would
+  /// retry quietly).
+  public static func probe(url: String, logger: Logger) async throws {
+    let settings = try Settings(url: url)
+    do {
+      let conn = try await PostgresConnection.connect(configuration: try settings.connection(), id: 0, logger: logger)
+      try await conn.close()
+    } catch let e as CloudError {
+      throw e
+    } catch {
+      let target = settings.socketPath ?? "\(settings.host):\(settings.port)"
+      var reason = String(describing: error)
+      if let e = error as? PSQLError {
+        if let underlying = e.underlying {
+          reason = String(describing: underlying)
+          if underlying is NIOSSLError || underlying is BoringSSLError {
+            reason = "TLS failed, check --postgres-sslmode and --postgres-ca: \(reason)"
+          }
+        } else if let message = e.serverInfo?[.message] {
+          reason = message
+        } else {
+          reason = "\(e.code)"
+        }
+      }
+      reason = reason.replacingOccurrences(of: "\n", with: " ")
+      throw CloudError.unavailable("PostgreSQL at \(target): \(reason)")
+    }
+  }
+
+  /// The pool's configuration for a URL (see `Settings`).
+  public static func configuration(url: String) throws -> PostgresClient.Configuration {
+    let settings = try Settings(url: url)
     var config: PostgresClient.Configuration
-    if let socketDir = params["host"], socketDir.hasPrefix("/") {
-      let port = c.port ?? 5432
+    if let socketPath = settings.socketPath {
       config = .init(
-        unixSocketPath: "\(socketDir)/.s.PGSQL.\(port)", username: user, password: password, database: db)
+        unixSocketPath: socketPath, username: settings.user, password: settings.password, database: settings.database)
     } else {
       let tls: PostgresClient.Configuration.TLS
-      switch params["sslmode"] ?? "prefer" {
-      case "disable": tls = .disable
-      case "require", "verify-full", "verify-ca": tls = .require(.makeClientConfiguration())
-      default: tls = .prefer(.makeClientConfiguration())
+      switch settings.mode {
+      case .disable: tls = .disable
+      case .prefer: tls = .prefer(settings.tls)
+      case .require: tls = .require(settings.tls)
       }
       config = .init(
-        host: c.host ?? "127.0.0.1", port: c.port ?? 5432, username: user, password: password, database: db, tls: tls)
+        host: settings.host, port: settings.port, username: settings.user, password: settings.password,
+        database: settings.database, tls: tls)
     }
     config.options.connectTimeout = .seconds(5)
     config.options.maximumConnections = 16
@@ -126,6 +228,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       device TEXT NOT NULL, created_at BIGINT NOT NULL, revoked BOOLEAN NOT NULL DEFAULT FALSE)
     """,
     "CREATE INDEX IF NOT EXISTS tokens_by_account ON tokens(account)",
+    // Tokens from before scopes become device tokens: nothing old can manage devices until the
+    // admin CLI issues an account token.
+    "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS scope TEXT NOT NULL DEFAULT 'device'",
+    "ALTER TABLE tokens ADD COLUMN IF NOT EXISTS expires_at BIGINT",
     """
     CREATE TABLE IF NOT EXISTS kv(account TEXT NOT NULL, container TEXT NOT NULL, key TEXT NOT NULL,
       value TEXT, timestamp BIGINT NOT NULL, device TEXT NOT NULL, seq BIGINT NOT NULL, cost BIGINT NOT NULL,
@@ -436,16 +542,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       _ = try await self.usageRow(conn, record.account)
       try await conn.query(
         """
-        INSERT INTO tokens(id, hash, account, device, created_at, revoked)
-        VALUES (\(record.id), \(tokenHash), \(record.account), \(record.device), \(record.createdAt), FALSE)
+        INSERT INTO tokens(id, hash, account, device, created_at, revoked, scope, expires_at)
+        VALUES (\(record.id), \(tokenHash), \(record.account), \(record.device), \(record.createdAt), FALSE,
+          \(record.scope.rawValue), \(record.expiresAt))
         """, logger: log)
     }
   }
 
   func tokenRecords(_ rows: PostgresRowSequence) async throws -> [TokenRecord] {
     var out: [TokenRecord] = []
-    for try await (id, account, device, created, revoked) in rows.decode((String, String, String, Int64, Bool).self) {
-      out.append(TokenRecord(id: id, account: account, device: device, createdAt: created, revoked: revoked))
+    for try await (id, account, device, created, revoked, scope, expires) in rows.decode(
+      (String, String, String, Int64, Bool, String, Int64?).self)
+    {
+      out.append(
+        TokenRecord(
+          id: id, account: account, device: device, createdAt: created, revoked: revoked,
+          scope: TokenScope(rawValue: scope) ?? .device, expiresAt: expires))
     }
     return out
   }
@@ -455,7 +567,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       try await self.tokenRecords(
         try await conn.query(
           """
-          SELECT id, account, device, created_at, revoked FROM tokens WHERE hash = \(tokenHash) AND NOT revoked
+          SELECT id, account, device, created_at, revoked, scope, expires_at FROM tokens
+          WHERE hash = \(tokenHash) AND NOT revoked
           """, logger: log)
       ).first
     }
@@ -466,7 +579,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       try await self.tokenRecords(
         try await conn.query(
           """
-          SELECT id, account, device, created_at, revoked FROM tokens WHERE account = \(account)
+          SELECT id, account, device, created_at, revoked, scope, expires_at FROM tokens WHERE account = \(account)
           ORDER BY created_at, id
           """, logger: log))
     }
@@ -478,6 +591,17 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         try await conn.query(
           """
           UPDATE tokens SET revoked = TRUE WHERE account = \(account) AND id = \(id) AND NOT revoked RETURNING 1::INT4
+          """, logger: log), Int32.self) != nil
+    }
+  }
+
+  public func rotateToken(account: String, id: String, oldHash: String, newHash: String) async throws -> Bool {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          """
+          UPDATE tokens SET hash = \(newHash)
+          WHERE account = \(account) AND id = \(id) AND hash = \(oldHash) AND NOT revoked RETURNING 1::INT4
           """, logger: log), Int32.self) != nil
     }
   }

@@ -1,39 +1,83 @@
 import AsyncHTTPClient
 import Foundation
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
+import NIOSSL
 import UbiqCloud
 import UbiqCore
 
 /// Where a `ubiqfs serve` is and which bearer token to send. Owns request building, the
 /// timeouts every request is bounded by, and the mapping of HTTP errors back to `CloudError`.
+/// `https://` servers must present a certificate that verifies against the system's roots, or
+/// against `caCertificatePEM` when given (then only against it); the token is sent over plain
+/// `http://` only to a loopback address, unless `allowInsecureHTTP`.
 public struct APIClient: Sendable {
   public let baseURL: String
   public let token: String
+  /// The CA certificate(s), PEM, that a private server's certificate is verified against.
+  public let caCertificatePEM: String?
   /// Bound for ordinary requests (connect is bounded separately by the shared client: 2 s).
   public var requestTimeout: TimeAmount = .seconds(30)
+  let http: HTTPClient
 
-  public init(baseURL: String, token: String) throws {
+  public init(baseURL: String, token: String, caCertificatePEM: String? = nil, allowInsecureHTTP: Bool = false)
+    throws
+  {
     var base = baseURL.trimmingCharacters(in: .whitespaces)
     while base.hasSuffix("/") { base.removeLast() }
-    guard let url = URL(string: base), url.scheme == "http" || url.scheme == "https", url.host != nil else {
-      throw CloudError.invalid("server URL '\(baseURL)' must look like http://host:port")
+    guard let url = URL(string: base), url.scheme == "http" || url.scheme == "https", let host = url.host,
+      !host.isEmpty
+    else {
+      throw CloudError.invalid("server URL '\(baseURL)' must look like https://host:port")
+    }
+    if url.scheme == "http", !allowInsecureHTTP, !Self.isLoopback(host) {
+      throw CloudError.invalid(
+        "refusing to send the token over plain http:// to \(host), which is not loopback; "
+          + "use https:// (or pass --insecure-http on a network you trust)")
     }
     self.baseURL = base
     self.token = token
+    self.caCertificatePEM = caCertificatePEM
+    self.http = try Self.client(caCertificatePEM: caCertificatePEM)
   }
 
-  /// One process-wide HTTP client: 2 s connect timeout, connections kept alive. Never shut
-  /// down (it lives as long as the process).
-  public static let http: HTTPClient = {
-    var config = HTTPClient.Configuration(
-      timeout: .init(connect: .seconds(2), read: .seconds(90)),
-      connectionPool: .init(idleTimeout: .seconds(60), concurrentHTTP1ConnectionsPerHostSoftLimit: 16))
-    config.httpVersion = .http1Only
-    config.decompression = .disabled
-    return HTTPClient(eventLoopGroupProvider: .singleton, configuration: config)
-  }()
+  /// True for `localhost`, 127.0.0.0/8 and ::1 (traffic that never leaves the machine).
+  public static func isLoopback(_ host: String) -> Bool {
+    var h = host.lowercased()
+    if h.hasPrefix("[") && h.hasSuffix("]") { h = String(h.dropFirst().dropLast()) }
+    if h == "localhost" || h == "::1" || h == "0:0:0:0:0:0:0:1" { return true }
+    let parts = h.split(separator: ".", omittingEmptySubsequences: false)
+    return parts.count == 4 && parts[0] == "127" && parts.allSatisfy { UInt8($0) != nil }
+  }
+
+  /// Process-wide HTTP clients, one per trust root (nil: the system's): 2 s connect timeout,
+  /// connections kept alive. Never shut down (they live as long as the process).
+  static let clients = NIOLockedValueBox<[String: HTTPClient]>([:])
+
+  static func client(caCertificatePEM: String?) throws -> HTTPClient {
+    var tls = TLSConfiguration.makeClientConfiguration()
+    if let pem = caCertificatePEM {
+      let certificates: [NIOSSLCertificate]
+      do { certificates = try NIOSSLCertificate.fromPEMBytes(Array(pem.utf8)) } catch {
+        throw CloudError.invalid("the CA certificate is not a PEM certificate: \(error)")
+      }
+      guard !certificates.isEmpty else { throw CloudError.invalid("the CA certificate file holds no certificate") }
+      tls.trustRoots = .certificates(certificates)
+    }
+    return clients.withLockedValue { clients in
+      if let c = clients[caCertificatePEM ?? ""] { return c }
+      var config = HTTPClient.Configuration(
+        tlsConfiguration: tls, timeout: .init(connect: .seconds(2), read: .seconds(90)),
+        connectionPool: .init(idleTimeout: .seconds(60), concurrentHTTP1ConnectionsPerHostSoftLimit: 16))
+      config.httpVersion = .http1Only
+      config.decompression = .disabled
+      let c = HTTPClient(eventLoopGroupProvider: .singleton, configuration: config)
+      clients[caCertificatePEM ?? ""] = c
+      return c
+    }
+  }
 
   static let encoder = JSONEncoder()
   static let decoder = JSONDecoder()
@@ -71,7 +115,7 @@ public struct APIClient: Sendable {
     let respHeaders: HTTPHeaders
     let data: Data
     do {
-      let resp = try await Self.http.execute(req, timeout: timeout ?? requestTimeout)
+      let resp = try await http.execute(req, timeout: timeout ?? requestTimeout)
       status = Int(resp.status.code)
       respHeaders = resp.headers
       data = Data(buffer: try await resp.body.collect(upTo: 256 << 20))
@@ -94,6 +138,10 @@ public struct APIClient: Sendable {
       case .remoteConnectionClosed: return "the server closed the connection"
       default: return "\(e)"
       }
+    }
+    if error is NIOSSLError || error is BoringSSLError {
+      return "TLS handshake failed, the server's certificate is not trusted "
+        + "(for a private CA, sign in with --ca-cert FILE): \(error)"
     }
     return "\(error)"
   }

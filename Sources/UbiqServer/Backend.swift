@@ -49,6 +49,7 @@ public struct Backend: Sendable {
       var poolLogger = logger
       poolLogger.logLevel = .error
       let store = try PostgresMetadataStore(url: url, logger: poolLogger)
+      try await PostgresMetadataStore.probe(url: url, logger: poolLogger)
       let http = HTTPClient(
         eventLoopGroupProvider: .singleton,
         configuration: .init(timeout: .init(connect: .seconds(5), read: .seconds(60))))
@@ -75,21 +76,44 @@ public struct Backend: Sendable {
     CloudEngine(account: account, metadata: metadata, blobs: blobs)
   }
 
-  /// Creates an account and its first token; returns the token (shown once, stored hashed).
+  /// The longest lifetime a token may be given (10 years), in seconds.
+  public static let maxTokenLifetime: Int64 = 10 * 365 * 86400
+
+  /// Creates an account and its first token, an account token; returns the token (shown once,
+  /// stored hashed).
   public func createAccount(_ name: String, quotaBytes: Int64, device: String) async throws -> (String, TokenRecord) {
     try AccountName.validate(name)
     try await metadata.createAccount(name, quotaBytes: quotaBytes)
-    return try await issueToken(account: name, device: device)
+    return try await issueToken(account: name, device: device, scope: .account)
   }
 
-  /// A new token for a device of an existing account.
-  public func issueToken(account: String, device: String) async throws -> (String, TokenRecord) {
+  /// A new token for a device of an existing account, expiring `expiresIn` seconds from now
+  /// (1 s to `maxTokenLifetime`) if given.
+  public func issueToken(account: String, device: String, scope: TokenScope, expiresIn: Int64? = nil) async throws
+    -> (String, TokenRecord)
+  {
     try AccountName.validateDevice(device)
+    if let expiresIn, !(1...Self.maxTokenLifetime).contains(expiresIn) {
+      throw CloudError.invalid("a token's lifetime must be 1 to \(Self.maxTokenLifetime) seconds")
+    }
     guard try await metadata.accountExists(account) else { throw CloudError.notFound("account \(account)") }
     let token = BearerToken.generate()
+    let now = Int64(Date().timeIntervalSince1970)
     let record = TokenRecord(
-      id: BearerToken.newID(), account: account, device: device, createdAt: Int64(Date().timeIntervalSince1970))
+      id: BearerToken.newID(), account: account, device: device, createdAt: now, scope: scope,
+      expiresAt: expiresIn.map { now + $0 })
     try await metadata.addToken(record, tokenHash: BearerToken.hash(token))
+    return (token, record)
+  }
+
+  /// Swaps a live token for a new one with the same id, device, scope and expiry: the old
+  /// token stops working at once. Returns the new token (shown once).
+  public func rotateToken(_ record: TokenRecord, oldHash: String) async throws -> (String, TokenRecord) {
+    let token = BearerToken.generate()
+    guard
+      try await metadata.rotateToken(
+        account: record.account, id: record.id, oldHash: oldHash, newHash: BearerToken.hash(token))
+    else { throw CloudError.unauthorized("the token was revoked or rotated meanwhile") }
     return (token, record)
   }
 }

@@ -30,6 +30,9 @@ struct APIRoutes: Sendable {
     v1.get("devices", use: devices)
     v1.post("devices", use: addDevice)
     v1.delete("devices/:id", use: revokeDevice)
+    // A parameter, not the literal `current`, so `DELETE devices/current` still reaches
+    // `revokeDevice` (the router prefers literal segments).
+    v1.post("devices/:id/rotate", use: rotateDevice)
     // Containers and items.
     v1.get("containers", use: containers)
     v1.put("containers/:container", use: ensureContainer)
@@ -69,7 +72,11 @@ struct APIRoutes: Sendable {
   }
 
   struct DeviceList: Encodable { var devices: [TokenRecord] }
-  struct NewDeviceRequest: Decodable { var name: String }
+  struct NewDeviceRequest: Decodable {
+    var name: String
+    /// Seconds from now; absent: the token never expires.
+    var expiresIn: Int64?
+  }
   struct NewDevice: Encodable {
     var token: String
     var device: TokenRecord
@@ -80,19 +87,36 @@ struct APIRoutes: Sendable {
     return try H.response(DeviceList(devices: try await backend.metadata.tokens(account: id.account)))
   }
 
+  /// Mints a device token; only an account token may.
   @Sendable func addDevice(_ request: Request, context: Ctx) async throws -> Response {
-    let id = try context.requireIdentity()
+    let id = try context.requireAccountScope("mint tokens")
     let body = try H.json(NewDeviceRequest.self, try await H.body(request, limit: 64 << 10))
-    let (token, record) = try await backend.issueToken(account: id.account, device: body.name)
+    let (token, record) = try await backend.issueToken(
+      account: id.account, device: body.name, scope: .device, expiresIn: body.expiresIn)
     return try H.response(NewDevice(token: token, device: record), status: .created)
+  }
+
+  /// Swaps the calling token (`current` or its own id) for a new one (same id, device, scope
+  /// and expiry).
+  @Sendable func rotateDevice(_ request: Request, context: Ctx) async throws -> Response {
+    let id = try context.requireIdentity()
+    let target = try H.param(context, "id")
+    guard target == "current" || target == id.id else {
+      throw APIError(.forbidden, "insufficient_scope", "a token can only rotate itself (use 'current')")
+    }
+    guard let hash = context.tokenHash else { throw APIError.unauthorized("missing bearer token") }
+    let (token, record) = try await backend.rotateToken(id, oldHash: hash)
+    return try H.response(NewDevice(token: token, device: record))
   }
 
   struct Revoked: Encodable { var revoked: String }
 
+  /// Revokes a token of the account: any with an account token, only itself with a device token.
   @Sendable func revokeDevice(_ request: Request, context: Ctx) async throws -> Response {
     let id = try context.requireIdentity()
     var target = try H.param(context, "id")
     if target == "current" { target = id.id }
+    if target != id.id { _ = try context.requireAccountScope("revoke other tokens") }
     guard try await backend.metadata.revokeToken(account: id.account, id: target) else {
       throw APIError(.notFound, "not_found", "no live token \(target) in this account")
     }

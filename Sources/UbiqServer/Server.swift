@@ -1,7 +1,10 @@
 import Foundation
 import Hummingbird
+import HummingbirdCore
+import HummingbirdTLS
 import Logging
 import NIOCore
+import NIOSSL
 import ServiceLifecycle
 import UbiqCloud
 import UbiqCore
@@ -12,6 +15,8 @@ public struct ServeOptions: Sendable {
   public var port: Int
   public var storage: StorageConfig
   public var limits = ServerLimits()
+  /// Serve HTTPS with this certificate chain and private key (PEM files); nil: plain HTTP.
+  public var tls: TLSFiles?
 
   public init(host: String, port: Int, storage: StorageConfig) {
     self.host = host
@@ -20,11 +25,41 @@ public struct ServeOptions: Sendable {
   }
 }
 
+/// The PEM files `serve --tls-cert --tls-key` names.
+public struct TLSFiles: Sendable {
+  public var certificateChain: String
+  public var privateKey: String
+
+  public init(certificateChain: String, privateKey: String) {
+    self.certificateChain = certificateChain
+    self.privateKey = privateKey
+  }
+
+  /// Reads both files; an unreadable or malformed file is `CloudError.invalid` naming it.
+  public func configuration() throws -> TLSConfiguration {
+    let chain: [NIOSSLCertificate]
+    do { chain = try NIOSSLCertificate.fromPEMFile(certificateChain) } catch {
+      throw CloudError.invalid("cannot read the certificate chain \(certificateChain): \(error)")
+    }
+    guard !chain.isEmpty else { throw CloudError.invalid("no certificate in \(certificateChain)") }
+    let key: NIOSSLPrivateKey
+    do { key = try NIOSSLPrivateKey(file: privateKey, format: .pem) } catch {
+      throw CloudError.invalid("cannot read the private key \(privateKey): \(error)")
+    }
+    return TLSConfiguration.makeServerConfiguration(
+      certificateChain: chain.map { .certificate($0) }, privateKey: .privateKey(key))
+  }
+}
+
 /// `ubiqfs serve`: opens the storage engine, serves the HTTP API and `/metrics`, and shuts
 /// down gracefully on SIGTERM/SIGINT (long-polls are released, in-flight requests finish,
 /// then the engine is closed). Keeps no state of its own beyond the engine.
 public enum UbiqServer {
   public static func run(_ options: ServeOptions, logger: Logger) async throws {
+    // TLS files are read before the storage is opened, so a bad file fails at once.
+    let server: HTTPServerBuilder =
+      try options.tls.map { try .tls(.http1(), tlsConfiguration: $0.configuration()) } ?? .http1()
+    let scheme = options.tls == nil ? "http" : "https"
     let metrics = ServerMetrics()
     metrics.bootstrap()
     logger.info("storage: \(options.storage.summary)")
@@ -36,10 +71,11 @@ public enum UbiqServer {
       let router = makeRouter(backend: backend, hub: hub, metrics: metrics, limits: options.limits)
       let app = Application(
         router: router,
+        server: server,
         configuration: .init(address: .hostname(options.host, port: options.port), serverName: "ubiqfs"),
         onServerRunning: { channel in
           let addr = channel.localAddress.map { "\($0.ipAddress ?? options.host):\($0.port ?? options.port)" }
-          logger.notice("listening on http://\(addr ?? "\(options.host):\(options.port)")")
+          logger.notice("listening on \(scheme)://\(addr ?? "\(options.host):\(options.port)")")
         },
         logger: logger)
       // Shut down in reverse order: the hub releases long-polls first, then the HTTP server drains.

@@ -5,11 +5,13 @@ import UbiqCore
 import UbiqHTTPClient
 import UbiqIndex
 
-/// `ubiqfs account login|logout|status`: sign this machine in to a `ubiqfs serve` account.
+/// `ubiqfs account login|logout|status|devices|rotate|revoke`: sign this machine in to a
+/// `ubiqfs serve` account and manage the account's device tokens.
 struct AccountCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "account", abstract: "Sign in to a ubiqfs server account, sign out, show the account.",
-    subcommands: [Login.self, Logout.self, Status.self])
+    commandName: "account",
+    abstract: "Sign in to a ubiqfs server account, sign out, show the account, list, rotate and revoke device tokens.",
+    subcommands: [Login.self, Logout.self, Status.self, Devices.self, Rotate.self, Revoke.self])
 
   /// Sign-in changes which cloud and state folders mounts use, so it waits for unmounts.
   static func refuseWhileMounted(_ paths: Paths) throws {
@@ -22,10 +24,17 @@ struct AccountCommand: ParsableCommand {
 
   struct Login: ParsableCommand {
     static let configuration = CommandConfiguration(
-      abstract: "Sign in with a token from 'ubiqfs server account create'; this device gets its own token.")
+      abstract:
+        "Sign in with an account token (from 'ubiqfs server account create' or 'server token create'); this device gets its own device token."
+    )
     @Option(help: "Server URL, e.g. http://127.0.0.1:8443.") var server: String
     @Option(help: "An account token (or set UBIQFS_TOKEN).") var token: String?
     @Option(help: "Name of this device (default: the host name).") var device: String?
+    @Option(help: "Lifetime of this device's token, e.g. 90d, 12h (default: never expires).") var expires: String?
+    @Option(help: "CA certificate (PEM) to verify an https server against, kept with the account.")
+    var caCert: String?
+    @Flag(help: "Allow sending the token over plain http:// to a server that is not on loopback.")
+    var insecureHttp = false
     @OptionGroup var location: LocationOptions
 
     func run() throws {
@@ -35,19 +44,33 @@ struct AccountCommand: ParsableCommand {
         guard let token = token ?? ProcessInfo.processInfo.environment["UBIQFS_TOKEN"], !token.isEmpty else {
           throw UbiqError.invalidArgument("give --token TOKEN (or set UBIQFS_TOKEN)")
         }
+        var caPEM: String? = nil
+        if let caCert {
+          do { caPEM = try String(contentsOfFile: absolutePath(caCert), encoding: .utf8) } catch {
+            throw UbiqError.invalidArgument("cannot read --ca-cert \(caCert): \(error.localizedDescription)")
+          }
+        }
         let api: APIClient
-        do { api = try APIClient(baseURL: server, token: token) } catch let e as CloudError {
+        do {
+          api = try APIClient(baseURL: server, token: token, caCertificatePEM: caPEM, allowInsecureHTTP: insecureHttp)
+        } catch let e as CloudError {
           throw UbiqError.invalidArgument(e.description)
         }
         let name = device ?? ProcessInfo.processInfo.hostName
-        let (info, issued) = try runBlocking {
-          let info = try await AccountAPI(api: api).accountInfo()
-          let issued = try await AccountAPI(api: api).registerDevice(name: name)
-          return (info, issued)
+        let lifetime = try expires.map(parseDuration)
+        let info = try runBlocking { try await AccountAPI(api: api).accountInfo() }
+        let issued: AccountAPI.NewDevice
+        do {
+          issued = try runBlocking { try await AccountAPI(api: api).registerDevice(name: name, expiresIn: lifetime) }
+        } catch CloudError.unauthorized {
+          // The token is valid (the account call passed), but may not mint tokens.
+          throw UbiqError.invalidArgument(
+            "this is a device token, which cannot register devices; log in with an account token "
+              + "(from 'ubiqfs server account create' or 'ubiqfs server token create')")
         }
         let config = AccountConfig(
           server: api.baseURL, account: info.account, device: issued.device.device, tokenID: issued.device.id,
-          token: issued.token)
+          token: issued.token, caCertificatePEM: caPEM, insecureHTTP: insecureHttp ? true : nil)
         try config.save(paths)
         print("signed in to \(api.baseURL) as \(info.account) (device \(name), token \(issued.device.id))")
       }
@@ -173,6 +196,84 @@ struct AccountCommand: ParsableCommand {
         } else {
           print("server unreachable: \(r.error ?? "")")
         }
+      }
+    }
+  }
+}
+
+extension AccountCommand {
+  static func signedIn(_ paths: Paths) throws -> AccountConfig {
+    guard let config = try AccountConfig.load(paths) else {
+      throw UbiqError.invalidArgument("not signed in (run 'ubiqfs account login')")
+    }
+    return config
+  }
+
+  struct Devices: ParsableCommand {
+    static let configuration = CommandConfiguration(abstract: "List the account's devices and their tokens.")
+    @OptionGroup var location: LocationOptions
+
+    func run() throws {
+      try cli {
+        let config = try AccountCommand.signedIn(location.paths)
+        let api = try config.api
+        let devices = try runBlocking { try await AccountAPI(api: api).devices() }
+        let now = Int64(Date().timeIntervalSince1970)
+        let iso = ISO8601DateFormatter()
+        print("id\tdevice\tscope\texpires\tstate")
+        for d in devices {
+          let expires = d.expiresAt.map { iso.string(from: Date(timeIntervalSince1970: TimeInterval($0))) } ?? "never"
+          let state =
+            d.revoked ? "revoked" : d.isExpired(now: now) ? "expired" : d.id == config.tokenID ? "this device" : "live"
+          print("\(d.id)\t\(d.device)\t\(d.scope.rawValue)\t\(expires)\t\(state)")
+        }
+      }
+    }
+  }
+
+  struct Rotate: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      abstract: "Swap this device's token for a new one; the old token stops working at once.")
+    @OptionGroup var location: LocationOptions
+
+    func run() throws {
+      try cli {
+        let paths = location.paths
+        var config = try AccountCommand.signedIn(paths)
+        let api = try config.api
+        let issued = try runBlocking { try await AccountAPI(api: api).rotate() }
+        config.token = issued.token
+        try config.save(paths)
+        print("rotated the token of \(config.device) (token \(issued.device.id))")
+      }
+    }
+  }
+
+  struct Revoke: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      abstract: "Revoke another device's token; needs an account token (--token or UBIQFS_TOKEN).")
+    @Argument(help: "Token id (from 'ubiqfs account devices').") var id: String
+    @Option(help: "An account token (or set UBIQFS_TOKEN).") var token: String?
+    @OptionGroup var location: LocationOptions
+
+    func run() throws {
+      try cli {
+        let config = try AccountCommand.signedIn(location.paths)
+        guard let token = token ?? ProcessInfo.processInfo.environment["UBIQFS_TOKEN"], !token.isEmpty else {
+          throw UbiqError.invalidArgument(
+            "revoking a device needs an account token: give --token TOKEN (or set UBIQFS_TOKEN)")
+        }
+        let api: APIClient
+        do { api = try config.client(token: token) } catch let e as CloudError {
+          throw UbiqError.invalidArgument(e.description)
+        }
+        let id = self.id
+        do {
+          try runBlocking { try await AccountAPI(api: api).revoke(tokenID: id) }
+        } catch CloudError.unauthorized(let m) {
+          throw UbiqError.invalidArgument(m)
+        }
+        print("revoked token \(id)")
       }
     }
   }

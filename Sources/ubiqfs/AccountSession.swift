@@ -15,6 +15,10 @@ struct AccountConfig: Codable {
   var device: String
   var tokenID: String
   var token: String
+  /// The CA certificate (PEM) the server's certificate is verified against (`login --ca-cert`).
+  var caCertificatePEM: String?
+  /// Plain http:// to a non-loopback server was allowed at login (`--insecure-http`).
+  var insecureHTTP: Bool?
 
   static func url(_ paths: Paths) -> URL { paths.stateRoot.appendingPathComponent("account.json") }
 
@@ -51,9 +55,15 @@ struct AccountConfig: Codable {
     if FileManager.default.fileExists(atPath: u.path) { try FileManager.default.removeItem(at: u) }
   }
 
+  /// A client of this account's server with its trust settings and another token.
+  func client(token: String) throws -> APIClient {
+    try APIClient(
+      baseURL: server, token: token, caCertificatePEM: caCertificatePEM, allowInsecureHTTP: insecureHTTP ?? false)
+  }
+
   var api: APIClient {
     get throws {
-      do { return try APIClient(baseURL: server, token: token) } catch let e as CloudError {
+      do { return try client(token: token) } catch let e as CloudError {
         throw UbiqError.invalidArgument(e.description)
       }
     }

@@ -185,6 +185,22 @@ func parseSize(_ text: String) throws -> Int64 {
   return Int64(v * Double(mult))
 }
 
+/// Parses a lifetime such as `90d`, `12h`, `30m`, `45s` or a plain number of seconds.
+func parseDuration(_ text: String) throws -> Int64 {
+  let t = text.trimmingCharacters(in: .whitespaces).lowercased()
+  let units: [Character: Int64] = ["s": 1, "m": 60, "h": 3600, "d": 86400]
+  var digits = t
+  var mult: Int64 = 1
+  if let last = t.last, let m = units[last] {
+    mult = m
+    digits = String(t.dropLast())
+  }
+  guard let v = Int64(digits), v > 0, v <= Int64.max / mult else {
+    throw UbiqError.invalidArgument("'\(text)' is not a duration (e.g. 90d, 12h, 30m, 45s)")
+  }
+  return v * mult
+}
+
 /// Unmounts `mp` with fusermount3 and waits (up to 30 s) for its daemon to exit.
 func unmountAndWait(_ mp: String, lazy: Bool, daemon: DaemonRecord?) throws {
   let p = Process()

@@ -14,6 +14,13 @@ struct StorageOptions: ParsableArguments {
   var data: String?
   @Option(help: "PostgreSQL URL for the scale-out engine ($UBIQFS_POSTGRES_URL), e.g. postgres://u:p@host/db.")
   var postgres: String?
+  @Option(
+    help:
+      "PostgreSQL TLS ($UBIQFS_POSTGRES_SSLMODE): disable, prefer, require, verify-ca, verify-full (use verify-full in production)."
+  )
+  var postgresSslmode: String?
+  @Option(help: "CA certificate (PEM) that verifies PostgreSQL's certificate ($UBIQFS_POSTGRES_CA).")
+  var postgresCa: String?
   @Option(help: "S3 endpoint URL ($UBIQFS_S3_ENDPOINT), e.g. http://127.0.0.1:8333.") var s3Endpoint: String?
   @Option(help: "S3 bucket ($UBIQFS_S3_BUCKET).") var s3Bucket: String?
   @Option(help: "S3 access key ($UBIQFS_S3_ACCESS_KEY).") var s3AccessKey: String?
@@ -44,7 +51,9 @@ struct StorageOptions: ParsableArguments {
         throw ValidationError("the scale-out engine (--postgres) also needs \(missing.joined(separator: ", "))")
       }
       return .scaleOut(
-        postgresURL: pg,
+        postgresURL: try Self.postgresURL(
+          pg, sslmode: pick(postgresSslmode, "UBIQFS_POSTGRES_SSLMODE"),
+          rootCertificate: pick(postgresCa, "UBIQFS_POSTGRES_CA").map(absolutePath)),
         s3: S3Config(
           endpoint: endpoint!, bucket: bucket!, accessKey: access!, secretKey: secret!,
           region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""
@@ -53,6 +62,26 @@ struct StorageOptions: ParsableArguments {
     let dir =
       pick(data, "UBIQFS_SERVER_DIR") ?? (Paths(stateDir: stateDir, cloudDir: nil).stateRoot.path + "/server")
     return .embedded(directory: URL(fileURLWithPath: absolutePath(dir)))
+  }
+
+  /// The PostgreSQL URL with `sslmode` and `sslrootcert` set from the options (they win over
+  /// the URL's own).
+  static func postgresURL(_ url: String, sslmode: String?, rootCertificate: String?) throws -> String {
+    if sslmode == nil && rootCertificate == nil { return url }
+    guard var c = URLComponents(string: url) else {
+      throw UbiqError.invalidArgument("bad PostgreSQL URL (want postgres://user:password@host:port/database)")
+    }
+    var items = c.queryItems ?? []
+    if let sslmode {
+      items.removeAll { $0.name == "sslmode" }
+      items.append(URLQueryItem(name: "sslmode", value: sslmode))
+    }
+    if let rootCertificate {
+      items.removeAll { $0.name == "sslrootcert" }
+      items.append(URLQueryItem(name: "sslrootcert", value: rootCertificate))
+    }
+    c.queryItems = items
+    return c.string ?? url
   }
 
   /// Opens the engine, runs `body` against it, closes it.
@@ -68,16 +97,20 @@ struct StorageOptions: ParsableArguments {
 /// `ubiqfs serve`: the HTTP API for clients (docs/protocol.md).
 struct ServeCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "serve", abstract: "Serve accounts and their containers over HTTP (docs/protocol.md).")
+    commandName: "serve",
+    abstract: "Serve accounts and their containers over HTTP, or HTTPS with --tls-cert/--tls-key (docs/protocol.md).")
 
   @Option(help: "Address and port to listen on.") var listen = "127.0.0.1:8443"
   @Option(help: "Log level: trace, debug, info, notice, warning, error.") var logLevel = "info"
   @Option(help: "Milliseconds between checks for changes committed by other server processes.")
   var pollIntervalMs = 200
+  @Option(help: "Serve HTTPS with this certificate chain (PEM file); needs --tls-key.") var tlsCert: String?
+  @Option(help: "The private key (PEM file) of --tls-cert.") var tlsKey: String?
   @OptionGroup var storage: StorageOptions
 
   func validate() throws {
     _ = try parseListen(listen)
+    if (tlsCert == nil) != (tlsKey == nil) { throw ValidationError("--tls-cert and --tls-key go together") }
     if Logger.Level(rawValue: logLevel) == nil { throw ValidationError("unknown --log-level \(logLevel)") }
     if pollIntervalMs < 10 { throw ValidationError("--poll-interval-ms must be >= 10") }
   }
@@ -87,6 +120,9 @@ struct ServeCommand: ParsableCommand {
       let (host, port) = try parseListen(listen)
       var options = ServeOptions(host: host, port: port, storage: try storage.storage())
       options.limits.pollIntervalMs = pollIntervalMs
+      if let tlsCert, let tlsKey {
+        options.tls = TLSFiles(certificateChain: absolutePath(tlsCert), privateKey: absolutePath(tlsKey))
+      }
       var logger = Logger(label: "ubiqfs.serve")
       logger.logLevel = Logger.Level(rawValue: logLevel) ?? .info
       let log = logger
@@ -177,7 +213,7 @@ struct ServerCommand: ParsableCommand {
           let (token, record) = try storage.withBackend { backend in
             try await backend.createAccount(name, quotaBytes: bytes, device: device)
           }
-          eprint("created account \(name) (token id \(record.id)); its token (shown once):")
+          eprint("created account \(name) (account token id \(record.id)); its token (shown once):")
           print(token)
         }
       }
@@ -223,17 +259,25 @@ struct ServerCommand: ParsableCommand {
       subcommands: [Create.self, List.self, Revoke.self])
 
     struct Create: ParsableCommand {
-      static let configuration = CommandConfiguration(abstract: "Issue a new token for a device of an account.")
+      static let configuration = CommandConfiguration(
+        abstract: "Issue a new token for a device of an account (an account token unless --scope device).")
       @Argument var account: String
       @Option(help: "Device name.") var device = "setup"
+      @Option(help: "account (manages devices; what 'account login' takes) or device (syncs only).")
+      var scope = "account"
+      @Option(help: "Lifetime, e.g. 90d, 12h, 30m, 45s (default: never expires).") var expires: String?
       @OptionGroup var storage: StorageOptions
       func run() throws {
         try cli {
+          guard let scope = TokenScope(rawValue: self.scope) else {
+            throw UbiqError.invalidArgument("--scope must be 'account' or 'device', not '\(self.scope)'")
+          }
+          let lifetime = try expires.map(parseDuration)
           let (account, device) = (self.account, self.device)
           let (token, record) = try storage.withBackend { backend in
-            try await backend.issueToken(account: account, device: device)
+            try await backend.issueToken(account: account, device: device, scope: scope, expiresIn: lifetime)
           }
-          eprint("token id \(record.id) for \(account)/\(device) (shown once):")
+          eprint("\(scope.rawValue) token id \(record.id) for \(account)/\(device) (shown once):")
           print(token)
         }
       }
@@ -247,10 +291,14 @@ struct ServerCommand: ParsableCommand {
         try cli {
           let account = self.account
           let tokens = try storage.withBackend { backend in try await backend.metadata.tokens(account: account) }
-          print("id\tdevice\tcreated\tstate")
+          let now = Int64(Date().timeIntervalSince1970)
+          let iso = ISO8601DateFormatter()
+          print("id\tdevice\tscope\tcreated\texpires\tstate")
           for t in tokens {
-            let created = ISO8601DateFormatter().string(from: Date(timeIntervalSince1970: TimeInterval(t.createdAt)))
-            print("\(t.id)\t\(t.device)\t\(created)\t\(t.revoked ? "revoked" : "live")")
+            let created = iso.string(from: Date(timeIntervalSince1970: TimeInterval(t.createdAt)))
+            let expires = t.expiresAt.map { iso.string(from: Date(timeIntervalSince1970: TimeInterval($0))) } ?? "never"
+            let state = t.revoked ? "revoked" : t.isExpired(now: now) ? "expired" : "live"
+            print("\(t.id)\t\(t.device)\t\(t.scope.rawValue)\t\(created)\t\(expires)\t\(state)")
           }
         }
       }

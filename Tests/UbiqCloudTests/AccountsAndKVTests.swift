@@ -29,7 +29,7 @@ final class AccountsAndKVTests: XCTestCase {
     } catch CloudError.exists {}
     let token = BearerToken.generate()
     XCTAssertTrue(token.hasPrefix("ubq_"))
-    let rec = TokenRecord(id: BearerToken.newID(), account: "alice", device: "laptop", createdAt: 1)
+    let rec = TokenRecord(id: BearerToken.newID(), account: "alice", device: "laptop", createdAt: 1, scope: .device)
     try await s.addToken(rec, tokenHash: BearerToken.hash(token))
     let found = try await s.token(hash: BearerToken.hash(token))
     XCTAssertEqual(found?.account, "alice")

@@ -176,4 +176,20 @@ final class HTTPCloudTests: XCTestCase {
     XCTAssertLessThan(ContinuousClock.now - start, .seconds(3))
     XCTAssertThrowsError(try APIClient(baseURL: "ftp://x", token: "t"))
   }
+
+  func testTokensStayOffPlainHTTPBeyondLoopback() throws {
+    for url in [
+      "http://127.0.0.1:8443", "http://localhost:1", "http://[::1]:8443", "http://127.3.4.5", "https://192.0.2.7:8443",
+    ] {
+      XCTAssertNoThrow(try APIClient(baseURL: url, token: "t"), url)
+    }
+    for url in ["http://192.0.2.7:8443", "http://example.com", "http://127.0.0.1.example.com", "http://[::2]:1"] {
+      XCTAssertThrowsError(try APIClient(baseURL: url, token: "t"), url) { error in
+        guard case CloudError.invalid(let message) = error else { return XCTFail("\(error)") }
+        XCTAssertTrue(message.contains("--insecure-http"), message)
+      }
+      XCTAssertNoThrow(try APIClient(baseURL: url, token: "t", allowInsecureHTTP: true), url)
+    }
+    XCTAssertThrowsError(try APIClient(baseURL: "https://x:1", token: "t", caCertificatePEM: "not a certificate"))
+  }
 }

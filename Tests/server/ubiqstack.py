@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -85,9 +86,11 @@ def stop_process(proc: subprocess.Popen | None, grace: float = 10.0) -> int | No
 
 
 class PostgresCluster:
-    """initdb + pg_ctl in a temp folder, trust auth, listening on 127.0.0.1 only."""
+    """initdb + pg_ctl in a temp folder, trust auth, listening on 127.0.0.1 only; with `tls`
+    (a TlsFiles) it also accepts TLS with that server certificate."""
 
-    def __init__(self):
+    def __init__(self, tls: "TlsFiles | None" = None):
+        self.tls = tls
         self.root = Path(tempfile.mkdtemp(prefix="ubiq-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -122,6 +125,15 @@ class PostgresCluster:
             f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
             "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
         )
+        if self.tls:
+            cert, key = self.root / "server.pem", self.root / "server.key"
+            shutil.copy(self.tls.cert, cert)
+            shutil.copy(self.tls.key, key)
+            os.chmod(key, 0o600)
+            if self.as_postgres:
+                shutil.chown(cert, "postgres")
+                shutil.chown(key, "postgres")
+            opts += f" -c ssl=on -c ssl_cert_file={cert} -c ssl_key_file={key}"
         self._run(f"{b}/pg_ctl", "-D", self.data, "-l", self.root / "log", "-o", opts, "-w", "-t", "60", "start")
         self.started = True
         self._run(f"{b}/psql", "-h", "127.0.0.1", "-p", self.port, "-U", "postgres", "-c", "CREATE DATABASE ubiq")
@@ -292,18 +304,22 @@ def create_account(storage, name: str, quota: str | None = None) -> str:
 
 
 class ServerProcess:
-    """One `ubiqfs serve` on a free loopback port."""
+    """One `ubiqfs serve` on a free port (of loopback unless `host` says otherwise); HTTPS when
+    `tls` is a TlsFiles (its CA verifies the server)."""
 
-    def __init__(self, storage, log: Path, poll_interval_ms: int = 100):
+    def __init__(self, storage, log: Path, poll_interval_ms: int = 100, tls: "TlsFiles | None" = None,
+                 host: str = "127.0.0.1"):
         self.storage = storage
         self.log = Path(log)
         self.port = free_port()
         self.poll_interval_ms = poll_interval_ms
+        self.tls = tls
+        self.host = host
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> "ServerProcess":
         if self.proc is not None and self.proc.poll() is None:
@@ -311,9 +327,11 @@ class ServerProcess:
         env = dict(os.environ)
         env.update(self.storage.env())
         args = [
-            UBIQFS_BIN, "serve", "--listen", f"127.0.0.1:{self.port}",
+            UBIQFS_BIN, "serve", "--listen", f"{self.host}:{self.port}",
             "--poll-interval-ms", str(self.poll_interval_ms), *self.storage.args(),
         ]
+        if self.tls:
+            args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -322,7 +340,7 @@ class ServerProcess:
 
     def _healthy(self) -> bool:
         try:
-            c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
+            c = Api(self.url, ca=self.tls.ca if self.tls else None, timeout=1).connection()
             c.request("GET", "/healthz")
             ok = c.getresponse().status == 200
             c.close()
@@ -337,6 +355,31 @@ class ServerProcess:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+
+# ---------------------------------------------------------------------------- TLS
+
+
+class TlsFiles:
+    """A private CA and a server certificate it signed (for 127.0.0.1, localhost and the
+    given extra IP addresses), made with `openssl` in `folder`."""
+
+    def __init__(self, folder: Path, ips: tuple[str, ...] = ()):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.ca, self.ca_key = folder / "ca.pem", folder / "ca.key"
+        self.cert, self.key = folder / "server.pem", folder / "server.key"
+        ossl = lambda *a: subprocess.run(["openssl", *map(str, a)], check=True, capture_output=True, timeout=60)  # noqa: E731
+        ossl("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+             "-subj", "/CN=ubiqfs test CA", "-keyout", self.ca_key, "-out", self.ca,
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        csr = folder / "server.csr"
+        ossl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj", "/CN=localhost",
+             "-keyout", self.key, "-out", csr)
+        ext = folder / "server.ext"
+        sans = ",".join(["DNS:localhost", "IP:127.0.0.1", *(f"IP:{ip}" for ip in ips)])
+        ext.write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n")
+        ossl("x509", "-req", "-in", csr, "-CA", self.ca, "-CAkey", self.ca_key, "-CAcreateserial", "-days", "2",
+             "-extfile", ext, "-out", self.cert)
 
 
 # ---------------------------------------------------------------------------- HTTP client
@@ -356,14 +399,21 @@ class Response:
 class Api:
     """A tiny client of the /v1 API (one connection per request, bounded by a timeout)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 30):
+    def __init__(self, url: str, token: str | None = None, timeout: float = 30, ca: Path | None = None):
         u = urllib.parse.urlparse(url)
-        self.host, self.port = u.hostname, u.port
+        self.scheme, self.host, self.port = u.scheme, u.hostname, u.port
         self.token = token
         self.timeout = timeout
+        self.ca = ca
 
     def with_token(self, token: str | None) -> "Api":
-        return Api(f"http://{self.host}:{self.port}", token, self.timeout)
+        return Api(f"{self.scheme}://{self.host}:{self.port}", token, self.timeout, self.ca)
+
+    def connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        if self.scheme == "https":
+            ctx = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout or self.timeout, context=ctx)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
 
     def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float | None = None):
         h = dict(headers or {})
@@ -374,7 +424,7 @@ class Api:
             h.setdefault("Content-Type", "application/json")
         elif isinstance(body, str):
             body = body.encode()
-        c = http.client.HTTPConnection(self.host, self.port, timeout=timeout or self.timeout)
+        c = self.connection(timeout)
         try:
             c.request(method, path, body=body, headers=h)
             r = c.getresponse()
