@@ -336,7 +336,11 @@ public final class FilesystemCore: @unchecked Sendable {
       // Replaced whole: the old content is never needed (works offline, downloads nothing).
       let fd = try cache.open(inode, create: true)
       do {
-        if current.size != 0 || current.content == .dataless {
+        // The index may say 0 bytes while another handle has written more, not yet recorded:
+        // the cache file decides.
+        var st = stat()
+        let cachedBytes = fstat(fd, &st) == 0 ? Int64(st.st_size) : -1
+        if current.size != 0 || current.content == .dataless || cachedBytes != 0 {
           try truncateContent(inode, to: 0, through: fd)
           handles.setPendingMtime(inode, nil)
         }

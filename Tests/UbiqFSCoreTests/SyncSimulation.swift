@@ -546,6 +546,8 @@ final class SyncSimulation {
       (0, 3, 2, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 4, 0, 0), (1, 6, 0, 0, 0), (0, 4, 2, 0, 0),
       (0, 8, 0, 0, 0), (1, 2, 4, 0, 0), (1, 6, 0, 0, 0), (0, 8, 0, 0, 0), (0, 6, 0, 0, 0),
     ],
+    // O_TRUNC while another handle has written more than the index knows: the open truncates.
+    [(0, 0, 3, 0, 0), (0, 10, 3, 0, 0), (0, 12, 0, 0, 0), (0, 0, 3, 0, 0)],
     // Writes through a handle kept open while the other device's version arrives.
     [
       (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 10, 0, 0, 0), (0, 0, 0, 0, 0), (0, 6, 0, 0, 0),

@@ -222,3 +222,22 @@ def test_swapped_folder_names_upload_and_reach_other_devices(ubiq, device2, how)
         shown = {str(p.relative_to(device2.docs)): p.is_dir() or p.read_text() for p in device2.docs.rglob("*")}
         cloud = sorted((i["name"], i.get("parentID")) for i in ubiq.cloud_items(include_deleted=False))
         raise AssertionError(f"device 2 shows {shown}; the cloud has {cloud}")
+
+
+def test_o_trunc_truncates_what_another_handle_wrote(ubiq):
+    """A handle empties the file and writes 48 bytes (not closed: the index still says 0 bytes);
+    then `open(O_TRUNC)` and 30 bytes through a second handle. As on ext4 the file is those 30
+    bytes, not 30 bytes followed by the first handle's tail."""
+    f = ubiq.docs / "two-handles.txt"
+    f.write_bytes(b"first version\n")
+    first = os.open(f, os.O_WRONLY)
+    try:
+        os.ftruncate(first, 0)
+        os.write(first, b"A" * 47 + b"\n")
+        with open(f, "wb") as second:
+            second.write(b"B" * 29 + b"\n")
+    finally:
+        os.close(first)
+    assert f.read_bytes() == b"B" * 29 + b"\n"
+    ubiq.sync()
+    assert ubiq.cloud_content(ubiq.item_id(f)) == b"B" * 29 + b"\n"
