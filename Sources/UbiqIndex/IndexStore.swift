@@ -70,6 +70,11 @@ public final class IndexStore: @unchecked Sendable {
       try db.execute(
         sql: "CREATE TABLE heldRemote(itemID TEXT PRIMARY KEY, changeSeq INTEGER NOT NULL, record BLOB NOT NULL)")
     }
+    m.registerMigration("v5-delete-maybe-in-cloud") { db in
+      // A delete of an item with no confirmed upload whose upload was attempted: the cloud may
+      // have it (the attempt's reply was lost).
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteMaybeInCloud INTEGER NOT NULL DEFAULT 0")
+    }
     return m
   }
 
@@ -284,22 +289,28 @@ public final class IndexStore: @unchecked Sendable {
   /// etag yet: its first upload may be in flight, and until the delete is done the pending entry
   /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
+    // An upload that was attempted and never confirmed may still have reached the cloud.
+    let attempts =
+      try Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE item = ?"), arguments: [row.id!]) ?? 0
+    let attempted = row.etag == nil && attempts > 0
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
-      try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
+      try enqueueDelete(db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted)
     }
   }
 
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
   /// completes later fills it in (`markUploaded`); still nil when processed means nothing to do.
-  func enqueueDelete(_ db: Database, itemID: String, etag: String?) throws {
+  func enqueueDelete(_ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false) throws {
     let now = Clock.nowNs()
     try db.cached(
       """
-      INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?, ?)
-      ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag)
+      INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud)
+      VALUES (?, ?, ?, ?, ?)
+      ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag),
+        deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud)
       """
-    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs])
+    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud])
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only.

@@ -108,6 +108,8 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   /// Cloud item to delete (nil for an upload).
   public var deleteItemID: String?
   public var deleteEtag: String?
+  /// A delete without an etag whose item's upload was attempted: the cloud may have it.
+  public var deleteMaybeInCloud: Bool
   public var enqueuedNs: Int64
   public var attempts: Int
   public var nextAttemptNs: Int64

@@ -167,9 +167,22 @@ public final class UploadWorker: @unchecked Sendable {
       } else if let itemID = entry.deleteItemID {
         // No etag: the item never reached the cloud (an upload would have filled it in).
         var restoring: CloudItem? = nil
-        if entry.deleteEtag != nil {
+        var etag = entry.deleteEtag
+        if etag == nil && entry.deleteMaybeInCloud,
+          let current = try await cloud.item(container, itemID: itemID), !current.deleted
+        {
+          // An upload whose reply was lost did reach the cloud. Our own version goes; a version
+          // another device wrote on top of it wins over this delete.
+          if current.deviceID == deviceID {
+            etag = current.etag
+          } else {
+            log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
+            restoring = current
+          }
+        }
+        if etag != nil && restoring == nil {
           do {
-            _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: entry.deleteEtag, deviceID: deviceID)
+            _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)
           } catch CloudError.notFound {
             // Already gone.
           } catch CloudError.conflict(let current) {
@@ -185,7 +198,7 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = try await cloud.item(container, itemID: itemID)
           }
         }
-        // No etag: the item never reached the cloud (an upload would have filled it in).
+        // No etag and no attempted upload: the item never reached the cloud.
         try index.finishDelete(seq: entry.seq, itemID: itemID, restoring: restoring)
         if restoring != nil { onNeedsPull() }
       }

@@ -24,10 +24,10 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let paths = ["f", "g", "d", "e", "d/f", "d/g", "e/f", "d/e", "d/e/f", "e/d"]
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
-    "openForWriting", "closeAll", "writeOpen",
+    "openForWriting", "closeAll", "writeOpen", "pullFlaky",
   ]
   /// How often each kind is drawn (out of 32).
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 4, 1, 2, 1, 1]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
@@ -35,7 +35,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
     let name = Self.kinds[kind % Self.kinds.count]
     switch name {
     case "upload", "pull", "crash", "closeAll": return "\(device):\(name)"
-    case "uploadFlaky": return "\(device):\(name)(\(n))"
+    case "uploadFlaky", "pullFlaky": return "\(device):\(name)(\(n))"
     case "rename": return "\(device):rename(\(p), \(q))"
     default: return "\(device):\(name)(\(p))"
     }
@@ -96,7 +96,9 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     try await inner.item(container, itemID: itemID)
   }
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try await inner.changes(container, since: since, limit: limit)
+    // A page lost on the way (the request or its reply: the same to the client).
+    if nextFate() != 0 { throw CloudError.unavailable("simulated: change page lost") }
+    return try await inner.changes(container, since: since, limit: min(limit, 3))
   }
   func usage() async throws -> Usage { try await inner.usage() }
   func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
@@ -218,13 +220,15 @@ final class SyncSimulation {
       links[d].injectFaults(seed: s.n)
       defer { links[d].clearFaults() }
       try upload(d)
-    case "pull":
+    case "pull", "pullFlaky":
+      if SyncStep.kinds[s.kind % SyncStep.kinds.count] == "pullFlaky" { links[d].injectFaults(seed: s.n) }
+      defer { links[d].clearFaults() }
       do {
         try w.pull()
-        try observe(d)
       } catch {
         Self.stats["failed pulls", default: 0] += 1
       }
+      try observe(d)
     case "crash":
       open[d] = []
       try w.crashAndRestart()
@@ -546,6 +550,9 @@ final class SyncSimulation {
       (0, 3, 2, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 4, 0, 0), (1, 6, 0, 0, 0), (0, 4, 2, 0, 0),
       (0, 8, 0, 0, 0), (1, 2, 4, 0, 0), (1, 6, 0, 0, 0), (0, 8, 0, 0, 0), (0, 6, 0, 0, 0),
     ],
+    // A new file's first upload reaches the cloud but its reply is lost; then it is deleted
+    // here: the delete must still reach the cloud.
+    [(0, 0, 1, 0, 0), (0, 7, 0, 0, 3084), (0, 8, 0, 0, 0), (0, 2, 1, 0, 0)],
     // O_TRUNC while another handle has written more than the index knows: the open truncates.
     [(0, 0, 3, 0, 0), (0, 10, 3, 0, 0), (0, 12, 0, 0, 0), (0, 0, 3, 0, 0)],
     // Writes through a handle kept open while the other device's version arrives.
