@@ -43,6 +43,13 @@ final class CoreWorld: @unchecked Sendable {
 
   deinit { try? FileManager.default.removeItem(at: root) }
 
+  /// Two devices of one account: `a` with its own embedded cloud (removed with `a`), `b` on it.
+  static func pair() throws -> (a: CoreWorld, b: CoreWorld, cloud: CloudEngine) {
+    let a = try CoreWorld()
+    guard let cloud = a.cloud as? CloudEngine else { throw UbiqError.io("the embedded cloud") }
+    return (a, try CoreWorld(cloud: cloud), cloud)
+  }
+
   /// Builds index, cache, core, uploader and downloader from the state folder.
   func start() throws {
     let state = root.appendingPathComponent("state")

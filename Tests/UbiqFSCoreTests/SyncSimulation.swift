@@ -577,11 +577,7 @@ final class SyncSimulation {
   /// once), the rest syncs, status counts it, and it appears as soon as its folder does.
   @Test func aRecordWithoutItsFolderIsHeldAndTheFeedMovesOn() async throws {
     try await onOwnThread {
-      let cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("orphan-\(UUID().uuidString)")
-      defer { try? FileManager.default.removeItem(at: cloudDir) }
-      let cloud = try CloudEngine.embedded(directory: cloudDir)
-      let a = try CoreWorld(cloud: cloud)
-      let b = try CoreWorld(cloud: cloud)
+      let (a, b, cloud) = try CoreWorld.pair()
       let orphan = CloudItem(
         itemID: "orphan-1", parentID: "folder-not-here", name: "orphan.txt", kind: .directory, mode: 0o755, size: 0,
         mtimeNs: 0)
@@ -612,11 +608,7 @@ final class SyncSimulation {
   /// file from under a handle open for writing: what is written through it afterwards is kept.
   @Test func aMergeWaitsForAnOpenWriter() async throws {
     try await onOwnThread {
-      let cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("merge-\(UUID().uuidString)")
-      defer { try? FileManager.default.removeItem(at: cloudDir) }
-      let cloud = try CloudEngine.embedded(directory: cloudDir)
-      let a = try CoreWorld(cloud: cloud)
-      let b = try CoreWorld(cloud: cloud)
+      let (a, b, _) = try CoreWorld.pair()
       try a.writeFile("f", Data("v1\n".utf8))
       try a.drainUploads()
       try b.pull()
