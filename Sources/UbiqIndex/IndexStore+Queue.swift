@@ -43,7 +43,11 @@ extension IndexStore {
   /// Records a successful upload of `revision` of `itemID` from inode `inode`. If the item changed
   /// meanwhile the entry stays queued; if it was deleted or re-identified meanwhile, the version
   /// just created is queued for deletion.
-  public func markUploaded(seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem) throws {
+  /// `adopted`: the row already took `result` (a merge, `adoptMerged`), possibly keeping newer
+  /// local content on top; only the queue entry and the held records are settled here.
+  public func markUploaded(
+    seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false
+  ) throws {
     let manifest = String(data: try JSONEncoder().encode(result.chunks), encoding: .utf8)
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
@@ -54,12 +58,14 @@ extension IndexStore {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
         return
       }
-      try db.execute(
-        sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
-        arguments: [
+      if !adopted {
+        try db.execute(
+          sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
+          arguments: [
           result.etag, manifest, ItemRow.json(result), result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
           revision, inode,
         ])
+      }
       // Held records of the item that this version supersedes (a merge took them in).
       try db.execute(
         sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [itemID, result.changeSeq])

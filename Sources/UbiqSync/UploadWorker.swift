@@ -306,9 +306,12 @@ public final class UploadWorker: @unchecked Sendable {
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
       let applied = try coordinator.withInodeLock(inode) {
-        // Opened for writing while the merge was committed: its cache file must stay.
+        // Opened for writing, or saved again, while the merge was committed: the cache file
+        // holds bytes newer than the merge and must stay.
+        let saved = try index.item(inode).map { $0.size != row.size || $0.mtimeNs != row.mtimeNs } ?? false
         let applied = try index.adoptMerged(
-          inode, result, localChunks: chunks, keepingPlace: keepingPlace, keepingContent: coordinator.isBusy(inode))
+          inode, result, localChunks: chunks, keepingPlace: keepingPlace,
+          keepingContent: coordinator.isBusy(inode) || saved)
         if applied.outcome == .updated(contentChanged: true) {
           cache.remove(inode)
           onContentReplaced(inode)
@@ -321,7 +324,8 @@ public final class UploadWorker: @unchecked Sendable {
       do {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
         if merged { try adopt(result, keepingPlace: false) }
-        try index.markUploaded(seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result)
+        try index.markUploaded(
+          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result, adopted: merged)
         log.debug("uploaded \(row.name) etag \(result.etag)")
         return
       } catch CloudError.nameTaken(let why) {
@@ -342,7 +346,8 @@ public final class UploadWorker: @unchecked Sendable {
         if merged { try adopt(result, keepingPlace: true) }
         // The cloud now has an earlier state of this item: the entry stays queued.
         try index.markUploaded(
-          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result)
+          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result,
+          adopted: merged)
         throw Postpone(ns: 50_000_000)
       } catch CloudError.conflict(let current) {
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")

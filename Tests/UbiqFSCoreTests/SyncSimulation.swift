@@ -70,7 +70,16 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     lock.withLock { fates.isEmpty ? 0 : fates.removeFirst() }
   }
 
+  /// Runs before each write with its number (1, 2, ...): lets a test act while a write is sent.
+  var beforeWrite: ((Int) throws -> Void)?
+  private var writesSent = 0
+
   private func write<T>(_ body: () async throws -> T) async throws -> T {
+    let n = lock.withLock {
+      writesSent += 1
+      return writesSent
+    }
+    try beforeWrite?(n)
     let fate = nextFate()
     if fate == 1 { throw CloudError.unavailable("simulated: request lost") }
     let result = try await body()
@@ -628,6 +637,33 @@ final class SyncSimulation {
       for w in [a, b] {
         let now = try w.readFile("f")
         #expect(now.starts(with: v4), "the bytes written through the open handle are current")
+      }
+    }
+  }
+
+  /// A save that completes while the uploader commits a merge (after its snapshot, before the
+  /// merged version is adopted) stays current; the merged content is kept as a conflict version.
+  @Test func aMergeKeepsASaveMadeDuringTheCommit() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try b.writeFile("f", Data("v1\n".utf8))
+      try b.drainUploads()
+      try a.pull()
+      try a.writeFile("f", Data("v2 from a\n".utf8))
+      try b.writeFile("f", Data("v3 from b, newer\n".utf8))
+      try b.drainUploads()
+      let v4 = Data("v4 saved on a during the merge\n".utf8)
+      // a's first commit meets v3; the merged commit (v3 current, v2 a conflict version) is
+      // sent while the user saves v4.
+      hooked.beforeWrite = { n in if n == 2 { try a.writeFile("f", v4) } }
+      try a.drainUploads()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try w.readFile("f") == v4, "the save made during the commit is current")
+        let kept = Set(try w.index.item(try #require(try w.inode("f")))!.conflictList.flatMap { $0.chunks.map(\.hash) })
+        #expect(kept.contains(Chunker.sha256Hex(Data("v3 from b, newer\n".utf8))), "b's version is kept")
       }
     }
   }
