@@ -62,9 +62,10 @@ extension IndexStore {
         try db.execute(
           sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
           arguments: [
-          result.etag, manifest, ItemRow.json(result), result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
-          revision, inode,
-        ])
+            result.etag, manifest, ItemRow.json(result),
+            result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
+            revision, inode,
+          ])
       }
       // Held records of the item that this version supersedes (a merge took them in).
       try db.execute(
