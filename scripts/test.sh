@@ -16,6 +16,9 @@ scripts/setup.sh debug
 scripts/test-server-deps.sh
 
 failed=()
+echo "== swift format lint (the committed .swift-format; a warning fails the run)"
+swift format lint --strict --recursive Sources Tests Package.swift || failed+=("swift format lint")
+
 echo "== unit tests"
 swift test 2>&1 | tail -n 30
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("unit tests")

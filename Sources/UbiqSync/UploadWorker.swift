@@ -135,7 +135,7 @@ public final class UploadWorker: @unchecked Sendable {
   func drain(_ due: [QueueEntry]) async -> Bool {
     var preparing: [Int: Task<PreparedUpload?, Error>] = [:]
     var launched = 0
-    defer { preparing.values.forEach { $0.cancel() } }
+    defer { for task in preparing.values { task.cancel() } }
     for i in due.indices {
       while launched < due.count && launched < i + max(1, parallelUploads) {
         if let inode = due[launched].item {

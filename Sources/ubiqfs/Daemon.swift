@@ -53,8 +53,8 @@ final class Daemon {
     // One daemon per container state folder.
     let lockFD = open(dir.appendingPathComponent("lock").path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
     guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
-      let where_ = DaemonRecord.load(dir).map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
-      throw UbiqError.busy("container \(container) is already mounted\(where_); see 'ubiqfs status'")
+      let holder = DaemonRecord.load(dir).map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
+      throw UbiqError.busy("container \(container) is already mounted\(holder); see 'ubiqfs status'")
     }
     defer { close(lockFD) }
     // With the lock held no other daemon of this container runs: a mount point the last one
@@ -162,7 +162,7 @@ final class Daemon {
     }
     session.close()
     try? FileManager.default.removeItem(at: recordURL)
-    sources.forEach { $0.cancel() }
+    for source in sources { source.cancel() }
     log.info("unmounted \(mountpoint)")
     return 0
   }

@@ -115,7 +115,7 @@ struct MountCommand: ParsableCommand {
     posix_spawnattr_setflags(&attr, Int16(0x80))  // POSIX_SPAWN_SETSID
     var pid: pid_t = 0
     let cargs = args.map { strdup($0) } + [nil]
-    defer { cargs.forEach { free($0) } }
+    defer { for arg in cargs { free(arg) } }
     let rc = posix_spawn(&pid, exe, &fa, &attr, cargs, environ)
     posix_spawn_file_actions_destroy(&fa)
     posix_spawnattr_destroy(&attr)

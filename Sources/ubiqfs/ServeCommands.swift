@@ -183,7 +183,7 @@ struct ServerCommand: ParsableCommand {
           }
           return (lines, remaining)
         }
-        lines.forEach { print($0) }
+        for line in lines { print(line) }
         if remaining > 0 {
           eprint(
             "ubiqfs: \(remaining) tree problem\(remaining == 1 ? "" : "s") left\(repair ? "" : " (run with --repair)")")
@@ -232,7 +232,7 @@ struct ServerCommand: ParsableCommand {
             return out.map { "\($0.0)\t\($0.1.usedBytes)\t\($0.1.quotaBytes)" }
           }
           print("account\tusedBytes\tquotaBytes")
-          rows.forEach { print($0) }
+          for row in rows { print(row) }
         }
       }
     }

@@ -33,28 +33,28 @@ final class TreeRulesTests: XCTestCase {
   func testParentsCyclesAndNames() async throws {
     let cloud = try CloudEngine.embedded(directory: dir)
     try await cloud.ensureContainer(container)
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("o", parent: "nope"), ifMatch: nil) }) {
-      if case .badParent = $0 { return true } else { return false }
-    }
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("s", parent: "s"), ifMatch: nil) }) {
-      if case .cycle = $0 { return true } else { return false }
-    }
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("o", parent: "nope"), ifMatch: nil) },
+      { if case .badParent = $0 { return true } else { return false } })
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("s", parent: "s"), ifMatch: nil) },
+      { if case .cycle = $0 { return true } else { return false } })
     let x = try await cloud.putItem(container, folder("x"), ifMatch: nil)
     _ = try await cloud.putItem(container, folder("y", parent: "x"), ifMatch: nil)
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("x", parent: "y"), ifMatch: x.etag) }) {
-      if case .cycle = $0 { return true } else { return false }
-    }
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("z", name: "x"), ifMatch: nil) }) {
-      if case .nameTaken = $0 { return true } else { return false }
-    }
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("x", parent: "y"), ifMatch: x.etag) },
+      { if case .cycle = $0 { return true } else { return false } })
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("z", name: "x"), ifMatch: nil) },
+      { if case .nameTaken = $0 { return true } else { return false } })
     let y = try await cloud.item(container, itemID: "y")!
     _ = try await cloud.deleteItem(container, itemID: "y", ifMatch: y.etag, deviceID: "d")
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("w", parent: "y"), ifMatch: nil) }) {
-      if case .badParent = $0 { return true } else { return false }
-    }
-    await expect({ _ = try await cloud.putItem(self.container, self.folder("../x"), ifMatch: nil) }) {
-      if case .invalidID = $0 { return true } else { return false }
-    }
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("w", parent: "y"), ifMatch: nil) },
+      { if case .badParent = $0 { return true } else { return false } })
+    await expect(
+      { _ = try await cloud.putItem(self.container, self.folder("../x"), ifMatch: nil) },
+      { if case .invalidID = $0 { return true } else { return false } })
   }
 
   func testChunkLengthsAreChecked() async throws {
@@ -69,9 +69,9 @@ final class TreeRulesTests: XCTestCase {
         chunks: lengths.map { ChunkRef(hash: h, length: $0) })
     }
     for (size, lengths) in [(Int64.max, [Int64.max, 1]), (0, [5, -5]), (3, [3]), (0, [0])] as [(Int64, [Int64])] {
-      await expect({ _ = try await cloud.putItem(self.container, file(size, lengths), ifMatch: nil) }) {
-        if case .invalid = $0 { return true } else { return false }
-      }
+      await expect(
+        { _ = try await cloud.putItem(self.container, file(size, lengths), ifMatch: nil) },
+        { if case .invalid = $0 { return true } else { return false } })
     }
     _ = try await cloud.putItem(container, file(10, [5, 5]), ifMatch: nil)
   }
