@@ -14,12 +14,18 @@ public final class IndexStore: @unchecked Sendable {
   /// (editor saves, sqlite journals) never travel.
   public var uploadDelayNs: Int64 = 1_000_000_000
 
-  public init(path: String, readOnly: Bool = false) throws {
+  /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
+  public init(path: String, readOnly: Bool = false, statementObserver: (@Sendable (String) -> Void)? = nil) throws {
     var config = Configuration()
     config.busyMode = .timeout(10)
     config.readonly = readOnly
     config.prepareDatabase { db in
       if !readOnly { try db.cached("PRAGMA synchronous = NORMAL").execute() }
+      if let statementObserver {
+        db.trace(options: .statement) { event in
+          if case .statement(let statement) = event { statementObserver(statement.sql) }
+        }
+      }
     }
     if readOnly {
       pool = try DatabaseQueue(path: path, configuration: config)

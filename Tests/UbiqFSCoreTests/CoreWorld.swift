@@ -25,8 +25,14 @@ final class CoreWorld: @unchecked Sendable {
   private(set) var puller: ChangePuller!
   let log: Logger
 
+  /// Handed the SQL of every statement the index runs (nil: not traced).
+  let statementObserver: (@Sendable (String) -> Void)?
+
   /// `cloud`: the cloud this device syncs with (default: a new embedded engine of its own).
-  init(cloud: CloudService? = nil, cloudDirectory: URL? = nil) throws {
+  init(
+    cloud: CloudService? = nil, cloudDirectory: URL? = nil, statementObserver: (@Sendable (String) -> Void)? = nil
+  ) throws {
+    self.statementObserver = statementObserver
     root = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("ubiq-core-\(UUID().uuidString)")
     try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
     var log = Logger(label: "core-test")
@@ -54,7 +60,8 @@ final class CoreWorld: @unchecked Sendable {
   func start() throws {
     let state = root.appendingPathComponent("state")
     try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
-    let index = try IndexStore(path: state.appendingPathComponent("index.sqlite").path)
+    let index = try IndexStore(
+      path: state.appendingPathComponent("index.sqlite").path, statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
     for id in [WellKnownItem.root, WellKnownItem.documents] {

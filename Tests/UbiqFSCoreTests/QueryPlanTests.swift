@@ -1,0 +1,87 @@
+import Foundation
+import GRDB
+import Synchronization
+import Testing
+import UbiqCore
+
+@testable import UbiqFSCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Every statement the index runs on the filesystem's and the sync engine's paths uses an index:
+/// `EXPLAIN QUERY PLAN` of each shows no full scan of `items`, `uploadQueue` or `xattrs`. The
+/// statements are the ones really run, traced while a workload goes through the core, the
+/// uploader and the puller; queries that read a whole table on purpose are listed with why.
+@Suite struct QueryPlanTests {
+  /// Whole-table reads by design (maintenance and status, not per-operation paths).
+  static let fullScansAllowed = [
+    "SUM(SIZE)": "cachedBytes: the cache budget's total, once per eviction pass",
+    "FROM ITEMS WHERE NAME GLOB": "ubiqfs find",
+    "ORDER BY LASTUSEDNS": "eviction candidates, once per eviction pass",
+    "SELECT * FROM UPLOADQUEUE WHERE NEXTATTEMPTNS <=": "the due queue: read once per uploader pass",
+    "SELECT MIN(NEXTATTEMPTNS) FROM UPLOADQUEUE": "when the next entry is due: once per uploader pass",
+    "SELECT COUNT(*) FROM UPLOADQUEUE": "status",
+    "COALESCE(SUM(I.SIZE), 0) FROM UPLOADQUEUE": "status",
+    "FROM UPLOADQUEUE WHERE LASTERROR IS NOT NULL": "status",
+    "SELECT RECORD FROM HELDREMOTE": "held records: a small table, read once per pull",
+    "FROM DIRTYCONTENT": "crash recovery at mount",
+  ]
+
+  @Test func hotQueriesUseIndexes() async throws {
+    let seen = Mutex<Set<String>>([])
+    try await onOwnThread {
+      let a = try CoreWorld(statementObserver: { sql in seen.withLock { _ = $0.insert(sql) } })
+      let b = try CoreWorld(cloud: a.cloud)
+      let docs = a.documents
+      _ = try a.core.mkdir(parent: docs, name: "d", mode: 0o755, caller: .current)
+      for i in 0..<5 { try a.writeFile("d/f\(i)", Data("content \(i)\n".utf8)) }
+      try a.core.setxattr(try #require(try a.inode("d/f0")), name: "user.tag", value: Data("x".utf8), flags: [])
+      try a.drainUploads()
+      try b.writeFile("from-b", Data("b\n".utf8))
+      try b.drainUploads()
+      try a.pull()
+      _ = try a.readFile("from-b")
+      try a.core.readdir(try #require(try a.inode("d")), offset: 0) { _ in true }
+      _ = try a.core.getattr(try #require(try a.inode("d/f1")))
+      try a.core.rename(parent: docs, name: "d", newParent: docs, newName: "e", flags: [])
+      let e = try #require(try a.inode("e"))
+      try a.core.unlink(parent: e, name: "f2")
+      try a.writeFile("e/f3", Data("changed\n".utf8))
+      try a.drainUploads()
+      try a.crashAndRestart()
+      try a.pull()
+      _ = try a.index.queueSummary()
+    }
+    let statements = seen.withLock { $0 }
+    #expect(statements.count > 20, "the workload ran the index's statements")
+    let scans = try Self.fullScans(statements)
+    #expect(scans.isEmpty, "full scans on a hot path:\n\(scans.joined(separator: "\n"))")
+  }
+
+  /// The statements (with their plan step) whose plan scans a whole table it should search.
+  static func fullScans(_ statements: Set<String>) throws -> [String] {
+    let world = try CoreWorld()
+    var scans: [String] = []
+    for sql in statements.sorted() {
+      let upper = sql.uppercased()
+      guard upper.hasPrefix("SELECT") || upper.hasPrefix("UPDATE") || upper.hasPrefix("DELETE"),
+        !upper.contains("SQLITE_"), !upper.contains("PRAGMA")
+      else { continue }
+      if fullScansAllowed.keys.contains(where: { upper.contains($0) }) { continue }
+      let placeholders = sql.filter { $0 == "?" }.count
+      let plan: [String] = try world.index.pool.read { db in
+        try Row.fetchAll(
+          db, sql: "EXPLAIN QUERY PLAN " + sql,
+          arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))
+        ).map { $0["detail"] as String }
+      }
+      for step in plan
+      where step.hasPrefix("SCAN items") || step.hasPrefix("SCAN uploadQueue") || step.hasPrefix("SCAN xattrs") {
+        scans.append("\(sql)\n    -> \(step)")
+      }
+    }
+    return scans
+  }
+}
