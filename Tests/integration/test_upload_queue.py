@@ -3,6 +3,7 @@ coalesced saves, and sync --wait."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -176,39 +177,57 @@ def test_status_xattr_that_grows_between_size_query_and_read_is_no_erange(ubiq):
     assert "user.ubiq.etag" in os.listxattr(f)
 
 
+@contextlib.contextmanager
+def state_on_small_disk(u: Ubiq, mount_args: tuple = ()):
+    """Mounts `u` again with its container's state folder on a 32 MiB tmpfs (contents carried
+    over); yields the folder. Unmounts both at the end."""
+    u.unmount()
+    cdir = u.container_dir()
+    saved = u.root / "saved-container"
+    shutil.copytree(cdir, saved)
+    shutil.rmtree(cdir)
+    cdir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(cdir)], check=True)
+    try:
+        for entry in saved.iterdir():
+            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, cdir / entry.name)
+        u.mount(*mount_args)
+        yield cdir
+    finally:
+        try:
+            u.unmount()
+        except Exception:
+            subprocess.run(["fusermount3", "-uz", str(u.mnt)], capture_output=True)
+        subprocess.run(["umount", "-l", str(cdir)], capture_output=True)
+
+
+def fill(path) -> None:
+    """Writes zeros to `path` until the disk is full."""
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+
+
 def test_a_full_state_disk_pauses_uploads_instead_of_repeating_them(ubiq):
     """The state folder's disk fills up while uploads are queued. The cloud accepts a commit but
     the index cannot record it: the uploader must pause and back off, not commit again and again
     (each repeat is a change every other device pulls). Once there is room again, everything
     uploads and nothing was lost."""
-    ubiq.unmount()
-    cdir = ubiq.container_dir()
-    saved = ubiq.root / "saved-container"
-    shutil.copytree(cdir, saved)
-    shutil.rmtree(cdir)
-    cdir.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m,mode=0700", "tmpfs", str(cdir)], check=True)
-    filler = cdir / "filler"
-    try:
-        for entry in saved.iterdir():
-            (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, cdir / entry.name)
-        ubiq.mount("--upload-delay-ms", "3000")
+    with state_on_small_disk(ubiq, ("--upload-delay-ms", "3000")) as cdir:
         for i in range(30):
             write_file(ubiq.docs / f"q{i}.txt", f"queued {i}\n")
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError as e:
-                assert e.errno == errno.ENOSPC, e
+        fill(cdir / "filler")
         # Let the queued uploads become due and fail to be recorded for a while.
         seq0 = max((i["changeSeq"] for i in ubiq.cloud_items()), default=0)
         time.sleep(8)
         commits = max((i["changeSeq"] for i in ubiq.cloud_items()), default=0) - seq0
         print(f"commits in 8 s with a full state disk: {commits}")
         assert commits <= 80, f"{commits} commits in 8 s with a full state disk: the uploader repeats work it cannot record"
-        os.unlink(filler)
+        os.unlink(cdir / "filler")
         ubiq.sync(timeout=120)
         live = {i["name"]: i for i in ubiq.cloud_items(include_deleted=False)}
         for i in range(30):
@@ -216,9 +235,46 @@ def test_a_full_state_disk_pauses_uploads_instead_of_repeating_them(ubiq):
             assert ubiq.cloud_content(live[f"q{i}.txt"]["itemID"]) == f"queued {i}\n".encode()
             assert (ubiq.docs / f"q{i}.txt").read_text() == f"queued {i}\n"
         assert ubiq.status()[0]["queue"]["pendingItems"] == 0
-    finally:
-        try:
-            ubiq.unmount()
-        except Exception:
-            subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
-        subprocess.run(["umount", "-l", str(cdir)], capture_output=True)
+
+
+def test_a_full_state_disk_gives_enospc_and_keeps_every_name(ubiq):
+    """With the state folder's disk full, operations that need room fail with ENOSPC (as on a
+    full ext4), the daemon stays up, nothing existing disappears, and everything works again
+    once there is room."""
+    with state_on_small_disk(ubiq) as cdir:
+        (ubiq.docs / "keep").mkdir()
+        write_file(ubiq.docs / "keep" / "a.txt", "a\n")
+        write_file(ubiq.docs / "b.txt", "b\n")
+        ubiq.sync()
+        fill(cdir / "filler")
+        for what, call in [
+            ("mkdir", lambda: os.mkdir(ubiq.docs / "new-dir")),
+            ("create", lambda: write_file(ubiq.docs / "new.txt", "x" * 100_000)),
+            ("symlink", lambda: os.symlink("b.txt", ubiq.docs / "new-link")),
+            ("setxattr", lambda: os.setxattr(ubiq.docs / "b.txt", "user.tag", b"v" * 3000)),
+        ]:
+            try:
+                call()
+                print(f"full state disk: {what} succeeded")
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, f"{what}: {e}"
+                print(f"full state disk: {what} -> ENOSPC")
+        # Renaming and removing existing names: done, or ENOSPC; never ENOENT as if gone.
+        for what, call in [
+            ("rename", lambda: os.rename(ubiq.docs / "b.txt", ubiq.docs / "b2.txt")),
+            ("unlink", lambda: os.unlink(ubiq.docs / "keep" / "a.txt")),
+        ]:
+            try:
+                call()
+                print(f"full state disk: {what} succeeded")
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, f"{what}: {e}"
+                print(f"full state disk: {what} -> ENOSPC")
+        names = set(os.listdir(ubiq.docs))
+        assert "keep" in names and ({"b.txt", "b2.txt"} & names), names
+        os.unlink(cdir / "filler")
+        write_file(ubiq.docs / "after.txt", "room again\n")
+        os.mkdir(ubiq.docs / "after-dir")
+        ubiq.sync(timeout=60)
+        assert (ubiq.docs / "after.txt").read_text() == "room again\n"
+        assert ubiq.status()[0]["queue"]["pendingItems"] == 0
