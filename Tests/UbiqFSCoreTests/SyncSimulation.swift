@@ -24,10 +24,10 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let paths = ["f", "g", "d", "e", "d/f", "d/g", "e/f", "d/e", "d/e/f", "e/d"]
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
-    "openForWriting", "closeAll", "writeOpen", "pullFlaky",
+    "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod",
   ]
-  /// How often each kind is drawn (out of 32).
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1]
+  /// How often each kind is drawn (out of 36).
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
@@ -36,7 +36,8 @@ struct SyncStep: Sendable, CustomStringConvertible {
     switch name {
     case "upload", "pull", "crash", "closeAll": return "\(device):\(name)"
     case "uploadFlaky", "pullFlaky": return "\(device):\(name)(\(n))"
-    case "rename": return "\(device):rename(\(p), \(q))"
+    case "rename", "exchange": return "\(device):\(name)(\(p), \(q))"
+    case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
     default: return "\(device):\(name)(\(p))"
     }
   }
@@ -211,17 +212,44 @@ final class SyncSimulation {
         let (newParent, newName) = try w.parentAndName(s.q)
         let moving = try w.core.lookup(parent: parent, name: name)
         let target = try w.core.lookup(parent: newParent, name: newName)
+        let movingID = try moving.flatMap { try w.index.item($0.inode)?.itemID }
         try replacing(d, newParent, newName, unless: moving?.inode) {
           try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: [])
         }
-        // A file replacing a file takes over the replaced item's identity.
-        if let moving, let target, moving.kind == .file, target.kind == .file, moving.inode != target.inode,
-          let newID = try w.index.item(moving.inode)?.itemID
+        // A file replacing a file takes over the replaced item's identity: the bytes written to
+        // the moved item (on any device) now belong to that identity.
+        if let moving, let target, let movingID, moving.kind == .file, target.kind == .file,
+          moving.inode != target.inode, let newID = try w.index.item(moving.inode)?.itemID
         {
-          for i in writes.indices where writes[i].device == d && writes[i].inode == moving.inode {
-            writes[i].itemID = newID
+          for i in writes.indices where writes[i].itemID == movingID { writes[i].itemID = newID }
+        }
+      }
+    case "exchange":
+      attempt {
+        let (parent, name) = try w.parentAndName(s.p)
+        let (newParent, newName) = try w.parentAndName(s.q)
+        let before = [
+          try w.core.lookup(parent: parent, name: name), try w.core.lookup(parent: newParent, name: newName),
+        ]
+        let ids = try before.map { a in try a.flatMap { try w.index.item($0.inode)?.itemID } }
+        try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: .exchange)
+        // Two files swap names and, with the names, cloud identities: each one's bytes now
+        // belong to the other identity.
+        if let x = ids[0], let y = ids[1], before.allSatisfy({ $0?.kind == .file }) {
+          for i in writes.indices where writes[i].itemID == x || writes[i].itemID == y {
+            writes[i].itemID = writes[i].itemID == x ? y : x
           }
         }
+      }
+    case "evict":
+      attempt {
+        guard let inode = try w.inode(s.p) else { throw UbiqError.notFound(s.p) }
+        try w.core.evict(inode)
+      }
+    case "chmod":
+      attempt {
+        guard let inode = try w.inode(s.p) else { throw UbiqError.notFound(s.p) }
+        _ = try w.core.setattr(inode, AttributeUpdate(mode: s.n % 2 == 0 ? 0o600 : 0o644))
       }
     case "upload":
       try upload(d)
@@ -530,7 +558,8 @@ final class SyncSimulation {
   static let drawnDevices = [0, 0, 1, 1, 2]
 
   static let stepGenerator = zip(
-    Gen.int(in: 0...4), Gen.int(in: 0...31), Gen.int(in: 0...15), Gen.int(in: 0...15), Gen.int(in: 0...9999)
+    Gen.int(in: 0...4), Gen.int(in: 0...(SyncStep.drawnKinds.count - 1)), Gen.int(in: 0...15), Gen.int(in: 0...15),
+    Gen.int(in: 0...9999)
   ).map {
     SyncStep(
       device: drawnDevices[$0], kind: SyncStep.drawnKinds[$1], a: drawnPaths[$2], b: drawnPaths[$3], n: $4)
@@ -562,6 +591,11 @@ final class SyncSimulation {
     // A new file's first upload reaches the cloud but its reply is lost; then it is deleted
     // here: the delete must still reach the cloud.
     [(0, 0, 1, 0, 0), (0, 7, 0, 0, 3084), (0, 8, 0, 0, 0), (0, 2, 1, 0, 0)],
+    // A file written on another device is moved over a file here and then overwritten here.
+    [
+      (0, 0, 2, 0, 0), (2, 0, 0, 0, 0), (0, 6, 0, 0, 0), (2, 6, 0, 0, 0), (0, 8, 0, 0, 0), (0, 5, 0, 2, 0),
+      (0, 0, 2, 0, 0),
+    ],
     // O_TRUNC while another handle has written more than the index knows: the open truncates.
     [(0, 0, 3, 0, 0), (0, 10, 3, 0, 0), (0, 12, 0, 0, 0), (0, 0, 3, 0, 0)],
     // Writes through a handle kept open while the other device's version arrives.
