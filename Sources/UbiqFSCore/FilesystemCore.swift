@@ -503,16 +503,23 @@ public final class FilesystemCore: @unchecked Sendable {
 
   public func flush(_ handle: UInt64) throws { try persist(try openHandle(handle)) }
 
+  /// Records the handle's writes, makes the cache file's bytes durable (everything recorded up
+  /// to the revision read before the fdatasync is covered, whichever handle wrote it), then the
+  /// index. After a power loss the index never describes bytes the cache file lost.
   public func fsync(_ handle: UInt64, dataOnly: Bool) throws {
     let f = try openHandle(handle)
-    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
     try persist(f)
+    let revision = try index.item(f.inode)?.revision
+    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
+    try cache.syncDirectory()
+    if let revision { try index.clearContentUnsynced(f.inode, upTo: revision) }
     try index.makeDurable()
   }
 
   /// The directory's entries are in the index: an fsync of it makes the index durable.
   public func fsyncDirectory(_ inode: Int64) throws {
     try opendir(inode)
+    try cache.syncDirectory()
     try index.makeDurable()
   }
 

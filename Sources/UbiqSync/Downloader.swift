@@ -246,6 +246,17 @@ public final class Downloader: @unchecked Sendable {
         }
       }
     }
+    // The bytes and the cache file's name are durable before the index says cached, so a power
+    // loss never leaves an index that describes content its cache file lost.
+    var durable = s.superseded || s.failed != nil
+    if !durable {
+      if fdatasync(s.fd) != 0 {
+        s.fail(UbiqError.posix(errno, "fdatasync of the cache file"))
+      } else {
+        durable = (try? ContentCache.fsyncDirectory(cache.directory)) != nil
+        if !durable { s.fail(UbiqError.io("fsync of the cache folder failed")) }
+      }
+    }
     close(s.fd)
     var ok = false
     if s.superseded {

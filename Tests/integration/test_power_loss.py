@@ -263,6 +263,60 @@ def world(tmp_path_factory):
         assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
+@pytest.mark.skipif(CLOUD_MODE == "server-scale", reason="the client's power loss runs in the embedded and server modes")
+def test_fsynced_writes_survive_power_loss_of_the_client(world, tmp_path_factory):
+    u, lz = world
+    seed = int(os.environ.get("UBIQFS_POWER_LOSS_SEED", random.randrange(1 << 30)))
+    print(f"power-loss seed: {seed} (UBIQFS_POWER_LOSS_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    u.mount()
+    all_writers: list[Writers] = []
+    lost, checked = [], 0
+    for rnd in range(ROUNDS):
+        w = Writers(u.docs, rng, f"r{rnd}")
+        all_writers.append(w)
+        w.start()
+        time.sleep(rng.uniform(0.5, 3.0))
+        pid = int(u.daemon_record()["pid"])
+        _kill9(pid)  # the power goes: ubiqfs first, so it writes nothing after the cut
+        lz.power_loss()
+        w.join()
+        subprocess.run(["fusermount3", "-uz", str(u.mnt)], capture_output=True, timeout=30)
+        lz.start()
+        u.mount()
+        n, problems = 0, []
+        for each in all_writers:  # earlier rounds' files too: a later loss must not hurt them
+            k, p = check_after_loss(u, each)
+            n, problems = n + k, problems + p
+        checked += len(w.acked)
+        problems += check_uploaded_claims(u)
+        lost += [f"round {rnd}: {p}" for p in problems]
+        print(f"round {rnd}: {len(w.versions)} names written, {len(w.acked)} fsync'ed, {len(problems)} problems")
+    assert not lost, f"seed {seed}: {len(lost)} problems over {checked} fsync'ed names:\n" + "\n".join(lost[:40])
+
+    # Everything left uploads, and a second device gets exactly what this one shows.
+    u.sync(timeout=60)
+    assert check_uploaded_claims(u) == []
+    mine = {p.name: p.read_bytes() for p in u.docs.iterdir() if p.is_file()}
+    for p in u.docs.iterdir():
+        assert Ubiq.xattr(p, "user.ubiq.uploaded") == "1", f"{p.name} not uploaded after sync --wait"
+    root2 = tmp_path_factory.mktemp("powerloss-device2")
+    _ROOTS.append(root2)
+    d2 = Ubiq(root2)
+    d2.cloud = u.cloud
+    d2.env["UBIQFS_CLOUD_DIR"] = str(u.cloud)
+    try:
+        d2.mount()
+        d2.sync(timeout=60)
+        wait_for(lambda: sorted(p.name for p in d2.docs.iterdir()) == sorted(mine), timeout=30,
+                 what="device 2 to list the same files")
+        theirs = {name: (d2.docs / name).read_bytes() for name in mine}
+        differ = [n for n in mine if sha256(theirs[n]) != sha256(mine[n])]
+        assert not differ, f"device 2 has other bytes for {differ[:10]}"
+    finally:
+        _teardown_root(d2)
+
+
 @pytest.mark.skipif(CLOUD_MODE != "server", reason="the server's power loss runs once, in the server mode")
 def test_acknowledged_uploads_survive_power_loss_of_the_server(tmp_path_factory):
     import ubiqstack
