@@ -66,6 +66,11 @@ extension FilesystemCore {
   /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
   @discardableResult
   public func enforceCacheBudget() -> Int64 {
+    do {
+      try removeForgottenContent()
+    } catch {
+      log.warning("removing the cache files of deleted items failed: \(error)")
+    }
     try? index.recordUse(handles.takeUses())
     var freed: Int64 = 0
     func overBudget() -> Bool {
@@ -93,6 +98,7 @@ extension FilesystemCore {
   /// checks files recorded without an fsync of their cache file (a power loss may have kept the
   /// record but not the bytes): one whose cache file's size differs from the record is
   /// re-recorded the same way. Every cache file checked is fdatasync'ed before its mark goes.
+  /// Cache files of items that no longer exist are removed.
   /// Runs before the first pull and before the kernel sees the mount. Returns how many files
   /// were recovered.
   @discardableResult
@@ -135,6 +141,12 @@ extension FilesystemCore {
         "\(row.name): recorded \(st.st_size) bytes \(hadHandles ? "written" : "left in its cache file") before an unclean stop; queued for upload"
       )
       recovered += 1
+    }
+    // Cache files of items whose rows are gone (their removal waits until the delete is
+    // durable, and a crash came first).
+    for name in (try? FileManager.default.contentsOfDirectory(atPath: cache.directory)) ?? [] {
+      guard let inode = Int64(name), try index.item(inode) == nil else { continue }
+      cache.remove(inode)
     }
     try cache.syncDirectory()
     return recovered

@@ -217,7 +217,31 @@ import UbiqSync
     #expect(try w.core.getattr(ino).linkCount == 0)
     w.core.release(h)
     expectErrno(ENOENT) { _ = try w.core.getattr(ino) }
+    // The cache file goes once the delete is durable.
+    try w.core.removeForgottenContent()
     #expect(!w.core.cache.exists(ino))
+  }
+
+  /// An atomic save (fsync'ed temp renamed over a file) replaces a file whose changes are not
+  /// uploaded yet. Until the rename is durable a power loss can bring the replaced file back, so
+  /// its cache file stays until then; a crash before that leaves it to the sweep at mount.
+  @Test func aReplacedFilesCacheFileStaysUntilTheReplacementIsDurable() throws {
+    let w = try CoreWorld()
+    let old = try w.writeFile("doc", Data("version 1\n".utf8))
+    let tmp = try w.writeFile("doc.tmp", Data("version 2\n".utf8))
+    try w.core.rename(parent: w.documents, name: "doc.tmp", newParent: w.documents, newName: "doc", flags: [])
+    #expect(w.core.cache.exists(old), "the replaced file's bytes wait for the rename to be durable")
+    try w.core.fsyncDirectory(w.documents)
+    #expect(!w.core.cache.exists(old))
+    #expect(try w.readFile("doc") == Data("version 2\n".utf8))
+
+    let third = try w.writeFile("doc.tmp", Data("version 3\n".utf8))
+    try w.core.rename(parent: w.documents, name: "doc.tmp", newParent: w.documents, newName: "doc", flags: [])
+    #expect(w.core.cache.exists(tmp))
+    try w.crashAndRestart()
+    #expect(!w.core.cache.exists(tmp), "swept at mount: its row is gone")
+    #expect(w.core.cache.exists(third))
+    #expect(try w.readFile("doc") == Data("version 3\n".utf8))
   }
 
   @Test func directoryLinkCountCountsSubdirectories() throws {

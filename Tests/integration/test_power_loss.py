@@ -245,7 +245,7 @@ def check_uploaded_claims(u: Ubiq) -> list[str]:
 
 
 @pytest.fixture
-def world(tmp_path_factory):
+def world(tmp_path_factory, request):
     """A device whose state folder is on LazyFS (the mount point and cloud are not)."""
     root = tmp_path_factory.mktemp("powerloss")
     _ROOTS.append(root)
@@ -259,6 +259,10 @@ def world(tmp_path_factory):
         yield u, lz
     finally:
         problems = _teardown_root(u)
+        rep = getattr(request.node, "rep_call", None)
+        if rep is not None and rep.failed:
+            print(f"---- daemon.log ({u.daemon_log_path}) tail ----")
+            print(u.daemon_log()[-8000:])
         lz.stop()
         assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
