@@ -211,6 +211,9 @@ def check_after_loss(u: Ubiq, w: Writers) -> tuple[int, list[str]]:
             if acked is not None:
                 problems.append(f"{name}: fsync'ed ({len(versions[acked])} bytes) but gone")
             continue
+        except OSError as e:
+            problems.append(f"{name}: {e.strerror} ({'fsync' if acked is not None else 'never fsync'}'ed)")
+            continue
         if len(got) != st.st_size:
             problems.append(f"{name}: stat says {st.st_size} bytes, reading gives {len(got)}")
             continue
