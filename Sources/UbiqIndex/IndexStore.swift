@@ -68,7 +68,7 @@ public final class IndexStore: @unchecked Sendable {
     // Files whose recorded revision's bytes may still be only in the page cache (recorded at
     // close without an fsync): a power loss can keep the record and lose the bytes. Cleared by
     // an fdatasync of the cache file (fsync on the mount, the uploader); re-checked at mount.
-    m.registerMigration("v4-unsynced-content") { db in
+    m.registerMigration("v6-unsynced-content") { db in
       try db.execute(
         sql: """
           CREATE TABLE unsyncedContent(
