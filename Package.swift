@@ -117,7 +117,9 @@ let package = Package(
         .product(name: "PropertyBased", package: "swift-property-based"),
       ]),
     .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
-    .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
+    .testTarget(
+      name: "UbiqCloudTests",
+      dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex", .product(name: "GRDB", package: "GRDB.swift")]),
     .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
     .testTarget(
       name: "UbiqServerTests",

@@ -26,6 +26,18 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 python3 -c 'import pytest' 2>/dev/null || python3 -m pip install -q pytest
 
+# LazyFS (shared/lazyfs beside the repository) for the power-loss tests
+# (Tests/integration/test_power_loss.py): its build installs its Debian packages (cmake, g++,
+# libspdlog-dev, libtoml11-dev) and builds it once into the cache; later runs reuse it.
+lazyfs_src="$(cd .. && pwd)/shared/lazyfs"
+lazyfs_out="${XDG_CACHE_HOME:-$HOME/.cache}/ubiqfs/lazyfs"
+if [ -x "$lazyfs_src/build.sh" ]; then
+  [ -x "$lazyfs_out/lazyfs" ] || echo "setup: building LazyFS into $lazyfs_out"
+  "$lazyfs_src/build.sh" "$lazyfs_out"
+else
+  echo "setup: $lazyfs_src not found; the power-loss tests will fail (they need LazyFS)" >&2
+fi
+
 echo "setup: building ($config)"
 swift build -c "$config" 2>&1 | grep -E "error|warning: unre|Compiling ubiqfs|Build complete" || true
 bin=".build/$config/ubiqfs"

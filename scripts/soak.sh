@@ -8,10 +8,15 @@
 #   scripts/soak.sh sim [HOURS]     the multi-device sync simulation
 #                                   (Tests/UbiqFSCoreTests/SyncSimulation.swift), rounds of
 #                                   UBIQ_SIM_CASES sequences (default 1000).
+#   scripts/soak.sh durability [HOURS]
+#                                   power losses (Tests/integration/test_power_loss.py): rounds
+#                                   of the client test with UBIQ_POWER_LOSSES power losses each
+#                                   (default 10, a new seed per round), and every fifth round the
+#                                   server test, until HOURS have passed or a round fails.
 #
-# Every round prints its sequence and step counts. A failure prints the shrunk step list and
-# the seed (`.fixedSeed("…")`) that replays it; the run stops there, with the whole output in
-# the log named at the end. Put the shrunk sequence into the suite's knownSequences.
+# Every round prints its sequence and step counts (durability: its seed and power losses). A
+# failure prints the shrunk step list and the seed (`.fixedSeed("…")`) that replays it; the run
+# stops there, with the whole output in the log named at the end. Put the shrunk sequence into the suite's knownSequences.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="/opt/swift/usr/bin:$PATH"
@@ -21,7 +26,8 @@ hours="${2:-1}"
 case "$what" in
   model) filter=coreMatchesTheReferenceModel; cases_var=UBIQ_MODEL_CASES; default_cases=2000 ;;
   sim) filter=devicesConvergeWithNothingLost; cases_var=UBIQ_SIM_CASES; default_cases=1000 ;;
-  *) echo "soak.sh: unknown soak '$what' (known: model, sim)" >&2; exit 2 ;;
+  durability) ;;
+  *) echo "soak.sh: unknown soak '$what' (known: model, sim, durability)" >&2; exit 2 ;;
 esac
 
 log="$(mktemp "${TMPDIR:-/tmp}/ubiqfs-soak-$what.XXXXXX.log")"
@@ -31,6 +37,40 @@ if ! build_log="$(swift build --build-tests 2>&1)"; then
   exit 1
 fi
 deadline=$(( $(date +%s) + $(awk "BEGIN { printf \"%d\", $hours * 3600 }") ))
+
+if [ "$what" = durability ]; then
+  export UBIQFS_BIN="$PWD/.build/debug/ubiqfs"
+  export UBIQFS_POWER_LOSS_ROUNDS="${UBIQ_POWER_LOSSES:-10}"
+  rounds=0
+  losses=0
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    rounds=$((rounds + 1))
+    seed=$((RANDOM * 32768 + RANDOM))
+    tests=(Tests/integration/test_power_loss.py::test_fsynced_writes_survive_power_loss_of_the_client)
+    mode=embedded
+    if [ $((rounds % 5)) -eq 0 ]; then
+      tests=(Tests/integration/test_power_loss.py::test_acknowledged_uploads_survive_power_loss_of_the_server)
+      mode=server
+    fi
+    out="$(UBIQFS_POWER_LOSS_SEED=$seed UBIQFS_TEST_CLOUD=$mode python3 -m pytest -q -rs -s -p no:cacheprovider \
+      "${tests[@]}" 2>&1)" && ok=1 || ok=0
+    echo "$out" >> "$log"
+    if echo "$out" | grep -q "skipped"; then
+      echo "$out" | tail -5 >&2
+      echo "soak: round $rounds was skipped; full output: $log" >&2
+      exit 1
+    fi
+    if [ "$ok" -ne 1 ]; then
+      echo "$out" | grep -E "problems|seed|Error|assert" | head -30
+      echo "soak: round $rounds (seed $seed) FAILED after $losses power losses; full output: $log" >&2
+      exit 1
+    fi
+    if [ "$mode" = server ]; then losses=$((losses + 1)); else losses=$((losses + UBIQFS_POWER_LOSS_ROUNDS)); fi
+    echo "soak: round $rounds ($mode, seed $seed) passed ($losses power losses so far)"
+  done
+  echo "soak: $rounds rounds, $losses power losses, no failure; log: $log"
+  exit 0
+fi
 rounds=0
 sequences=0
 steps=0

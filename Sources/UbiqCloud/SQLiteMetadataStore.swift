@@ -13,7 +13,12 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public init(path: String) throws {
     var config = Configuration()
     config.busyMode = .timeout(10)
+    // Every commit backs a reply to a client (an upload is acknowledged after it): FULL syncs
+    // the WAL at each commit, so an acknowledged change survives a power loss. Set again on the
+    // writer after the pool opens: entering WAL mode sets NORMAL there.
+    config.prepareDatabase { db in try db.execute(sql: "PRAGMA synchronous = FULL") }
     pool = try DatabasePool(path: path, configuration: config)
+    try pool.writeWithoutTransaction { db in try db.execute(sql: "PRAGMA synchronous = FULL") }
     var migrator = DatabaseMigrator()
     migrator.registerMigration("v1") { db in
       try db.execute(

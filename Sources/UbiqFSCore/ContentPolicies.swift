@@ -66,6 +66,11 @@ extension FilesystemCore {
   /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
   @discardableResult
   public func enforceCacheBudget() -> Int64 {
+    do {
+      try removeForgottenContent()
+    } catch {
+      log.warning("removing the cache files of deleted items failed: \(error)")
+    }
     try? index.recordUse(handles.takeUses())
     var freed: Int64 = 0
     func overBudget() -> Bool {
@@ -89,32 +94,61 @@ extension FilesystemCore {
 
   /// Records writes that were in the cache file but not in the index when the daemon stopped
   /// (a crash while a handle held unflushed writes, or between a truncation and its record):
-  /// the size and mtime of the cache file become a new local revision, queued for upload. Runs
-  /// before the first pull and before the kernel sees the mount. Returns how many files were
-  /// recovered.
+  /// the size and mtime of the cache file become a new local revision, queued for upload. Also
+  /// checks files recorded without an fsync of their cache file (a power loss may have kept the
+  /// record but not the bytes): one whose cache file's size differs from the record is
+  /// re-recorded the same way. Every cache file checked is fdatasync'ed before its mark goes.
+  /// Cache files of items that no longer exist are removed.
+  /// Runs before the first pull and before the kernel sees the mount. Returns how many files
+  /// were recovered.
   @discardableResult
   public func recoverUnrecordedWrites() throws -> Int {
     var recovered = 0
-    for inode in try index.dirtyContentItems() {
+    let dirty = try index.dirtyContentItems()
+    let unsynced = Set(try index.unsyncedContentItems()).subtracting(dirty)
+    for inode in dirty + unsynced.sorted() {
+      let hadHandles = !unsynced.contains(inode)
       // A file still dataless never had an acknowledged write (the first one downloads or
       // truncates it first): what its cache file holds is a partial download.
       guard let row = try index.item(inode), row.kind == .file, row.content == .cached else {
         try index.clearContentDirty(inode)
+        try index.clearContentUnsynced(inode, upTo: Int64.max)
         continue
       }
       var st = Glibc.stat()
-      guard lstat(cache.path(inode), &st) == 0 else {
-        log.warning("\(row.name): unflushed writes at the last stop, but the cache file is gone")
-        try index.clearContentDirty(inode)
+      let fd = Glibc.open(cache.path(inode), O_RDONLY | O_CLOEXEC)
+      guard fd >= 0, fstat(fd, &st) == 0 else {
+        if fd >= 0 { close(fd) }
+        if hadHandles {
+          log.warning("\(row.name): unflushed writes at the last stop, but the cache file is gone")
+          try index.clearContentDirty(inode)
+        }
+        // An unsynced record whose cache file is gone stays as it is: the file reads as lost
+        // (EIO) rather than as other bytes.
+        continue
+      }
+      let synced = fdatasync(fd) == 0
+      close(fd)
+      if !hadHandles && Int64(st.st_size) == row.size {
+        if synced { try index.clearContentUnsynced(inode, upTo: row.revision) }
         continue
       }
       // The last write's time, unless an explicit time was set after it (touch, cp -p).
       let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? Clock.nowNs()
       let mtime: Int64? = row.ctimeNs >= written ? nil : written
-      try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true)
-      log.warning("\(row.name): recorded \(st.st_size) bytes written before an unclean stop; queued for upload")
+      try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true, synced: synced)
+      log.warning(
+        "\(row.name): recorded \(st.st_size) bytes \(hadHandles ? "written" : "left in its cache file") before an unclean stop; queued for upload"
+      )
       recovered += 1
     }
+    // Cache files of items whose rows are gone (their removal waits until the delete is
+    // durable, and a crash came first).
+    for name in (try? FileManager.default.contentsOfDirectory(atPath: cache.directory)) ?? [] {
+      guard let inode = Int64(name), try index.item(inode) == nil else { continue }
+      cache.remove(inode)
+    }
+    try cache.syncDirectory()
     return recovered
   }
 

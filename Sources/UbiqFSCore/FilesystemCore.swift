@@ -41,6 +41,9 @@ public final class FilesystemCore: @unchecked Sendable {
   public var uploadPercent: (Int64) -> Int? = { _ in nil }
   let xattrSnapshots = XattrSnapshots()
   let pageEpochs = PageCacheEpochs()
+  /// Items whose cache files wait for `removeForgottenContent`.
+  private var forgotten: [Int64] = []
+  private let forgottenLock = NSLock()
 
   /// The largest file ubiqfs stores (16 TiB, ext4's limit); larger sizes get EFBIG.
   public static let maxFileSize: Int64 = 1 << 44
@@ -237,11 +240,33 @@ public final class FilesystemCore: @unchecked Sendable {
 
   /// An item is gone for good (inodes are never reused): its download, cache file and
   /// per-inode state go.
+  /// The item's row is gone (deleted, replaced by a rename) and no handle holds it open. Its
+  /// cache file is removed once the index commit that dropped the row is durable: a power loss
+  /// before that brings the row back, which must find its bytes (a name removal is durable at
+  /// once on most filesystems, a commit is not).
   func forgetContent(_ inode: Int64) {
     downloader?.supersede(inode)
-    cache.remove(inode)
+    forgottenLock.withLock { forgotten.append(inode) }
     coordinator.forget(inode)
     pageEpochs.forget(inode)
+  }
+
+  /// Removes the cache files of forgotten items, making the index durable first if asked (it
+  /// already is right after an fsync). Runs after fsync/fsyncdir, every few seconds from the
+  /// daemon's timer and at unmount; a crash leaves the files to the sweep at the next mount.
+  public func removeForgottenContent(makeDurable: Bool = true) throws {
+    let inodes = forgottenLock.withLock {
+      defer { forgotten = [] }
+      return forgotten
+    }
+    guard !inodes.isEmpty else { return }
+    do {
+      if makeDurable { try index.makeDurable() }
+    } catch {
+      forgottenLock.withLock { forgotten = inodes + forgotten }
+      throw error
+    }
+    for inode in inodes { cache.remove(inode) }
   }
 
   public func rename(parent: Int64, name: String, newParent: Int64, newName: String, flags: RenameFlags) throws {
@@ -507,17 +532,26 @@ public final class FilesystemCore: @unchecked Sendable {
 
   public func flush(_ handle: UInt64) throws { try persist(try openHandle(handle)) }
 
+  /// Records the handle's writes, makes the cache file's bytes durable (everything recorded up
+  /// to the revision read before the fdatasync is covered, whichever handle wrote it), then the
+  /// index. After a power loss the index never describes bytes the cache file lost.
   public func fsync(_ handle: UInt64, dataOnly: Bool) throws {
     let f = try openHandle(handle)
-    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
     try persist(f)
+    let revision = try index.item(f.inode)?.revision
+    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
+    try cache.syncDirectory()
+    if let revision { try index.clearContentUnsynced(f.inode, upTo: revision) }
     try index.makeDurable()
+    try removeForgottenContent(makeDurable: false)
   }
 
   /// The directory's entries are in the index: an fsync of it makes the index durable.
   public func fsyncDirectory(_ inode: Int64) throws {
     try opendir(inode)
+    try cache.syncDirectory()
     try index.makeDurable()
+    try removeForgottenContent(makeDurable: false)
   }
 
   public func release(_ handle: UInt64) {

@@ -81,6 +81,16 @@ public final class IndexStore: @unchecked Sendable {
       // have it (the attempt's reply was lost).
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteMaybeInCloud INTEGER NOT NULL DEFAULT 0")
     }
+    // Files whose recorded revision's bytes may still be only in the page cache (recorded at
+    // close without an fsync): a power loss can keep the record and lose the bytes. Cleared by
+    // an fdatasync of the cache file (fsync on the mount, the uploader); re-checked at mount.
+    m.registerMigration("v6-unsynced-content") { db in
+      try db.execute(
+        sql: """
+          CREATE TABLE unsyncedContent(
+            item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE, revision INTEGER NOT NULL)
+          """)
+    }
     return m
   }
 
@@ -193,11 +203,28 @@ public final class IndexStore: @unchecked Sendable {
     try pool.read { db in try Self.isLocalOnly(db, inode) }
   }
 
-  /// Makes every committed change durable: the index runs with synchronous=NORMAL (commits
-  /// reach the WAL without an fsync), and a checkpoint fsyncs the WAL first. Called where a
-  /// caller was promised durability (fsync, fsyncdir).
+  /// Makes every committed change durable. The index runs with synchronous=NORMAL, so ordinary
+  /// commits reach the WAL without an fsync; this commits one small change with
+  /// synchronous=FULL, whose fsync of the WAL covers every earlier commit of any connection or
+  /// process (a checkpoint cannot be relied on: it skips the WAL's fsync when readers keep it
+  /// from copying anything). Called where a caller was promised durability: fsync, fsyncdir,
+  /// `sync --wait`, and before the first write to a file whose content is durable.
   public func makeDurable() throws {
-    try pool.writeWithoutTransaction { db in try db.execute(sql: "PRAGMA wal_checkpoint(PASSIVE)") }
+    try pool.writeWithoutTransaction { db in try Self.syncedCommit(db) }
+  }
+
+  static func syncedCommit(_ db: Database) throws {
+    try db.execute(sql: "PRAGMA synchronous = FULL")
+    defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
+    try db.inTransaction {
+      // A value that changes: an UPDATE that writes identical bytes leaves no WAL frame to sync.
+      try db.execute(
+        sql: """
+          INSERT INTO meta(key, value) VALUES ('durableSeq', '1')
+          ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1
+          """)
+      return .commit
+    }
   }
 
   /// Directories directly below `inode` (a directory's link count is 2 plus this).
@@ -542,7 +569,12 @@ public final class IndexStore: @unchecked Sendable {
   /// `mtimeNs` nil keeps the stored mtime (it was set explicitly after the last write).
   /// `clean`: no handle holds writes beyond this state any more, so the dirty mark goes in the
   /// same transaction.
-  public func recordContentChange(_ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false) throws {
+  /// `synced`: the cache file was fdatasync'ed after its last write. Otherwise the new revision
+  /// is marked unsynced in the same transaction: if a power loss keeps this commit but not the
+  /// cache file's bytes, the next mount re-records the file from what its cache file holds.
+  public func recordContentChange(
+    _ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false, synced: Bool = false
+  ) throws {
     try pool.write { db in
       try db.cached(
         """
@@ -550,18 +582,48 @@ public final class IndexStore: @unchecked Sendable {
           revision = revision + 1, lastUsedNs = ? WHERE id = ?
         """
       ).execute(arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
-      if db.changesCount > 0 { try self.enqueue(db, inode) }
+      if db.changesCount > 0 {
+        try self.enqueue(db, inode)
+        if synced {
+          try db.cached("DELETE FROM unsyncedContent WHERE item = ?").execute(arguments: [inode])
+        } else {
+          try db.cached(
+            "INSERT OR REPLACE INTO unsyncedContent(item, revision) SELECT id, revision FROM items WHERE id = ?"
+          ).execute(arguments: [inode])
+        }
+      }
       if clean { try db.cached("DELETE FROM dirtyContent WHERE item = ?").execute(arguments: [inode]) }
     }
   }
 
   /// Records, before the first write through a clean handle is acknowledged, that the cache file
-  /// of `inode` is about to hold bytes the index does not describe.
+  /// of `inode` is about to hold bytes the index does not describe. When the file had no mark
+  /// of either kind (its cache file is durable and described by the index) and has content,
+  /// the mark is made durable before the write: otherwise a power loss could keep the write's
+  /// bytes in the cache file but lose the mark, leaving an index that describes (and may call
+  /// uploaded) other bytes than the file holds.
   public func markContentDirty(_ inode: Int64) throws {
-    try pool.write { db in
-      // An unlinked file that is still open has no row: nothing to recover for it.
-      try db.cached("INSERT OR IGNORE INTO dirtyContent(item) SELECT id FROM items WHERE id = ?")
-        .execute(arguments: [inode])
+    try pool.writeWithoutTransaction { db in
+      var needsSync = false
+      try db.inTransaction {
+        // An unlinked file that is still open has no row: nothing to recover for it.
+        let marked =
+          try Bool.fetchOne(
+            db.cached(
+              """
+              SELECT EXISTS(SELECT 1 FROM dirtyContent WHERE item = ?)
+                OR EXISTS(SELECT 1 FROM unsyncedContent WHERE item = ?)
+              """), arguments: [inode, inode]) ?? false
+        try db.cached("INSERT OR IGNORE INTO dirtyContent(item) SELECT id FROM items WHERE id = ?")
+          .execute(arguments: [inode])
+        let inserted = db.changesCount > 0
+        let hasContent =
+          try Bool.fetchOne(
+            db.cached("SELECT size > 0 OR etag IS NOT NULL FROM items WHERE id = ?"), arguments: [inode]) ?? false
+        needsSync = inserted && !marked && hasContent
+        return .commit
+      }
+      if needsSync { try Self.syncedCommit(db) }
     }
   }
 
@@ -570,10 +632,24 @@ public final class IndexStore: @unchecked Sendable {
     try pool.read { db in try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent ORDER BY item") }
   }
 
+  /// Files whose recorded content may not be durable in their cache file yet.
+  public func unsyncedContentItems() throws -> [Int64] {
+    try pool.read { db in try Int64.fetchAll(db, sql: "SELECT item FROM unsyncedContent ORDER BY item") }
+  }
+
   /// Drops a dirty mark without recording anything (the cache file is gone).
   public func clearContentDirty(_ inode: Int64) throws {
     try pool.write { db in
       try db.cached("DELETE FROM dirtyContent WHERE item = ?").execute(arguments: [inode])
+    }
+  }
+
+  /// The cache file of `inode` was fdatasync'ed after revision `revision` was recorded: its
+  /// bytes up to that revision are durable.
+  public func clearContentUnsynced(_ inode: Int64, upTo revision: Int64) throws {
+    try pool.write { db in
+      try db.cached("DELETE FROM unsyncedContent WHERE item = ? AND revision <= ?")
+        .execute(arguments: [inode, revision])
     }
   }
 

@@ -17,16 +17,46 @@ public final class ContentCache: @unchecked Sendable {
 
   public func path(_ inode: Int64) -> String { "\(directory)/\(inode)" }
 
+  /// Names created or removed since the folder was last fsync'ed.
+  private var namesChanged = true
+  private let lock = NSLock()
+
   /// Opens (creating if asked) the cache file of `inode` read-write.
   public func open(_ inode: Int64, create: Bool) throws -> Int32 {
     let fd = Glibc.open(path(inode), O_RDWR | O_CLOEXEC | (create ? O_CREAT : 0), 0o600)
     if fd < 0 { throw UbiqError.io("cache file for inode \(inode): \(String(cString: strerror(errno)))") }
+    if create { lock.withLock { namesChanged = true } }
     return fd
   }
 
   public func exists(_ inode: Int64) -> Bool { access(path(inode), F_OK) == 0 }
 
-  public func remove(_ inode: Int64) { unlink(path(inode)) }
+  public func remove(_ inode: Int64) {
+    unlink(path(inode))
+    lock.withLock { namesChanged = true }
+  }
+
+  /// Makes the folder's entries durable (a new cache file's name survives a power loss), if
+  /// any changed since the last call. Called before an index commit that relies on them is made
+  /// durable or refers to a new cache file's bytes.
+  public func syncDirectory() throws {
+    guard lock.withLock({ namesChanged }) else { return }
+    lock.withLock { namesChanged = false }
+    do {
+      try Self.fsyncDirectory(directory)
+    } catch {
+      lock.withLock { namesChanged = true }
+      throw error
+    }
+  }
+
+  /// fsync of a directory: its entries (created, renamed, removed names) become durable.
+  public static func fsyncDirectory(_ path: String) throws {
+    let fd = Glibc.open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    guard fd >= 0 else { throw UbiqError.posix(errno, "open of \(path) to fsync it") }
+    defer { close(fd) }
+    if Glibc.fsync(fd) != 0 { throw UbiqError.posix(errno, "fsync of \(path)") }
+  }
 
   /// Bytes the cache file really occupies on disk.
   public func allocatedBytes(_ inode: Int64) -> Int64 {

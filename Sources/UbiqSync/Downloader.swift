@@ -70,7 +70,9 @@ public final class ContentStream: @unchecked Sendable {
     return lo..<(last + 1)
   }
 
-  /// Blocks until [off, off+len) is present (or the download failed / `timeoutNs` passed).
+  /// Blocks until [off, off+len) is present (or the download failed / `timeoutNs` passed). A
+  /// range that reaches the end of the file also waits until the download is finished (made
+  /// durable and recorded), so a reader that read the whole file then sees it downloaded.
   public func waitForRange(_ off: Int64, _ len: Int, timeoutNs: UInt64) throws {
     let range = chunkRange(off, len)
     cond.lock()
@@ -87,6 +89,10 @@ public final class ContentStream: @unchecked Sendable {
       if !cond.wait(until: deadline) {
         throw UbiqError.unavailable("timed out waiting for content from the cloud")
       }
+    }
+    if off + Int64(len) >= size {
+      // Every byte is here: past the deadline the read goes on without the record.
+      while !isFinished && !isSuperseded && failure == nil && cond.wait(until: deadline) {}
     }
   }
 
@@ -161,7 +167,12 @@ public final class ContentStream: @unchecked Sendable {
     }
   }
 
-  func markFinished() { cond.withLock { isFinished = true } }
+  func markFinished() {
+    cond.withLock {
+      isFinished = true
+      cond.broadcast()
+    }
+  }
   public var failed: UbiqError? { cond.withLock { failure } }
 }
 
@@ -244,6 +255,17 @@ public final class Downloader: @unchecked Sendable {
         group.addTask { [self] in
           while s.failed == nil, let i = s.nextChunk() { await fetchAndRecord(s, i) }
         }
+      }
+    }
+    // The bytes and the cache file's name are durable before the index says cached, so a power
+    // loss never leaves an index that describes content its cache file lost.
+    var durable = s.superseded || s.failed != nil
+    if !durable {
+      if fdatasync(s.fd) != 0 {
+        s.fail(UbiqError.posix(errno, "fdatasync of the cache file"))
+      } else {
+        durable = (try? ContentCache.fsyncDirectory(cache.directory)) != nil
+        if !durable { s.fail(UbiqError.io("fsync of the cache folder failed")) }
       }
     }
     close(s.fd)

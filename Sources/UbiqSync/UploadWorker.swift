@@ -282,6 +282,9 @@ public final class UploadWorker: @unchecked Sendable {
           }
           throw Postpone(ns: 50_000_000)
         }
+        // The cache file was fdatasync'ed after this revision was recorded.
+        try cache.syncDirectory()
+        try index.clearContentUnsynced(inode, upTo: row.revision)
       } else {
         chunks = row.chunkList
       }
@@ -387,6 +390,9 @@ public final class UploadWorker: @unchecked Sendable {
       offset += ref.length
     }
     guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
+    // What is uploaded is durable here first: `uploaded` is never shown for bytes a power loss
+    // could take from the cache file.
+    if fdatasync(fd) != 0 { throw UbiqError.posix(errno, "fdatasync of the cache file") }
     // Pass 2: send what is missing, re-reading each chunk and checking it still hashes the same.
     let missing = try await cloud.missingChunks(refs.map(\.hash))
     // Progress counts only what has to travel.

@@ -66,6 +66,9 @@ final class Daemon {
     try index.bootstrap(uid: getuid(), gid: getgid())
     let deviceID = try index.deviceID()
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
+    // SQLite syncs the folder for its WAL file, not for the database file it creates: the names
+    // index.sqlite and content/ become durable here, before anything relies on them.
+    try ContentCache.fsyncDirectory(dir.path)
     let cloud = try cloudSession.makeCloud()
     do {
       try runBlocking { try await cloud.ensureContainer(self.container) }
@@ -159,6 +162,11 @@ final class Daemon {
     try? runBlocking {
       await puller.stop()
       await worker.stop()
+    }
+    do {
+      try fs.removeForgottenContent()
+    } catch {
+      log.warning("removing the cache files of deleted items failed: \(error)")
     }
     session.close()
     try? FileManager.default.removeItem(at: recordURL)

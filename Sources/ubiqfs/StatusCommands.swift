@@ -225,6 +225,8 @@ struct SyncCommand: ParsableCommand {
           }
         }
         if pending == 0 {
+          // What was uploaded is recorded durably before the wait returns.
+          for (s, _) in targets { try s.openIndex(readOnly: false).makeDurable() }
           printer.report(
             Report(pendingUploads: 0, pendingDeletes: 0, pendingBytes: path == nil ? 0 : nil, done: true), final: true)
           return

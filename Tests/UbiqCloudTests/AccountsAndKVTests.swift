@@ -1,4 +1,5 @@
 import Foundation
+import GRDB
 import XCTest
 
 @testable import UbiqCloud
@@ -18,6 +19,17 @@ final class AccountsAndKVTests: XCTestCase {
 
   func store() throws -> SQLiteMetadataStore {
     try SQLiteMetadataStore(path: dir.appendingPathComponent("cloud.sqlite").path)
+  }
+
+  /// Every commit backs a reply (an acknowledged upload): the WAL is synced at each commit, on
+  /// the writer and on every reader connection the pool opens later.
+  func testEveryCommitSyncsTheWAL() async throws {
+    let s = try store()
+    try await s.createAccount("alice", quotaBytes: 0)
+    let writer = try await s.pool.write { db in try Int.fetchOne(db, sql: "PRAGMA synchronous") }
+    let reader = try await s.pool.read { db in try Int.fetchOne(db, sql: "PRAGMA synchronous") }
+    XCTAssertEqual(writer, 2, "synchronous=FULL")
+    XCTAssertEqual(reader, 2, "synchronous=FULL")
   }
 
   func testTokensAreHashedAndRevocable() async throws {

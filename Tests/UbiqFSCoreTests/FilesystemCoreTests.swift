@@ -134,6 +134,53 @@ import UbiqSync
     #expect(try w.readFile("open.bin") == data)
   }
 
+  /// A power loss can keep the index commit of a close (any later synced commit makes it
+  /// durable) and lose the cache file's bytes, which nobody fsync'ed: here the cache file is cut
+  /// back to what such a loss leaves. After the restart the file shows what its cache file holds
+  /// (size and bytes agree) and that is uploaded, never the recorded size over other bytes.
+  @Test func contentClosedWithoutFsyncFollowsItsCacheFileAfterAPowerLoss() throws {
+    let w = try CoreWorld()
+    let kept = try w.writeFile("kept", Data("durable\n".utf8))
+    try w.drainUploads()
+    let ino = try w.writeFile("f", Data(repeating: 0x61, count: 100_000))
+    let edit = try w.core.open(kept, flags: O_WRONLY | O_APPEND, caller: .current).handle
+    _ = try Data("more\n".utf8).withUnsafeBytes { try w.core.write(edit, $0, offset: 8) }
+    w.core.release(edit)
+    // The power loss: the unsynced bytes are gone, the index commits stay.
+    #expect(truncate(w.core.cache.path(ino), 0) == 0)
+    #expect(truncate(w.core.cache.path(kept), 8) == 0)
+    try w.crashAndRestart()
+    #expect(try w.core.getattr(ino).size == 0)
+    #expect(try w.readFile("f") == Data())
+    #expect(try w.core.getattr(kept).size == 8)
+    #expect(try w.readFile("kept") == Data("durable\n".utf8))
+    try w.drainUploads()
+    for (name, i) in [("f", ino), ("kept", kept)] {
+      let row = try w.index.item(i)!
+      #expect(row.revision == row.syncedRevision, "\(name) uploaded")
+      let item = try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }
+      #expect(item?.size == row.size, "\(name): the cloud has what the mount shows")
+    }
+  }
+
+  /// fsync makes the cache file durable and says so in the index: the next mount finds nothing
+  /// to re-record; an upload does the same for a file closed without fsync.
+  @Test func fsyncAndUploadLeaveNoUnsyncedMark() throws {
+    let w = try CoreWorld()
+    let (a, opened) = try w.core.create(parent: w.documents, name: "synced", mode: 0o644, caller: .current)
+    _ = try Data("bytes\n".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+    try w.core.fsync(opened.handle, dataOnly: true)
+    w.core.release(opened.handle)
+    let closed = try w.writeFile("closed", Data("closed\n".utf8))
+    #expect(try w.index.unsyncedContentItems() == [closed])
+    try w.drainUploads()
+    #expect(try w.index.unsyncedContentItems() == [])
+    let revision = try w.index.item(a.inode)!.revision
+    try w.crashAndRestart()
+    #expect(try w.index.item(a.inode)!.revision == revision, "nothing re-recorded at mount")
+    #expect(try w.readFile("synced") == Data("bytes\n".utf8))
+  }
+
   @Test func aLostCacheFileWithPendingChangesIsAnErrorNeverAnEmptyUpload() throws {
     let w = try CoreWorld()
     let ino = try w.writeFile("f", Data("uploaded\n".utf8))
@@ -170,7 +217,31 @@ import UbiqSync
     #expect(try w.core.getattr(ino).linkCount == 0)
     w.core.release(h)
     expectErrno(ENOENT) { _ = try w.core.getattr(ino) }
+    // The cache file goes once the delete is durable.
+    try w.core.removeForgottenContent()
     #expect(!w.core.cache.exists(ino))
+  }
+
+  /// An atomic save (fsync'ed temp renamed over a file) replaces a file whose changes are not
+  /// uploaded yet. Until the rename is durable a power loss can bring the replaced file back, so
+  /// its cache file stays until then; a crash before that leaves it to the sweep at mount.
+  @Test func aReplacedFilesCacheFileStaysUntilTheReplacementIsDurable() throws {
+    let w = try CoreWorld()
+    let old = try w.writeFile("doc", Data("version 1\n".utf8))
+    let tmp = try w.writeFile("doc.tmp", Data("version 2\n".utf8))
+    try w.core.rename(parent: w.documents, name: "doc.tmp", newParent: w.documents, newName: "doc", flags: [])
+    #expect(w.core.cache.exists(old), "the replaced file's bytes wait for the rename to be durable")
+    try w.core.fsyncDirectory(w.documents)
+    #expect(!w.core.cache.exists(old))
+    #expect(try w.readFile("doc") == Data("version 2\n".utf8))
+
+    let third = try w.writeFile("doc.tmp", Data("version 3\n".utf8))
+    try w.core.rename(parent: w.documents, name: "doc.tmp", newParent: w.documents, newName: "doc", flags: [])
+    #expect(w.core.cache.exists(tmp))
+    try w.crashAndRestart()
+    #expect(!w.core.cache.exists(tmp), "swept at mount: its row is gone")
+    #expect(w.core.cache.exists(third))
+    #expect(try w.readFile("doc") == Data("version 3\n".utf8))
   }
 
   @Test func directoryLinkCountCountsSubdirectories() throws {
