@@ -322,18 +322,23 @@ public final class IndexStore: @unchecked Sendable {
   /// etag yet: its first upload may be in flight, and until the delete is done the pending entry
   /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
-    // An upload that was attempted and never confirmed may still have reached the cloud.
-    let attempts =
-      try Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE item = ?"), arguments: [row.id!]) ?? 0
-    let attempted = row.etag == nil && attempts > 0
+    let attempted = try Self.uploadAttempted(db, row)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
       try enqueueDelete(db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted)
     }
   }
 
+  /// Whether an item with no confirmed upload had an upload attempted: it may still have reached
+  /// the cloud (the attempt's reply was lost). Read before its row and queue entry go.
+  static func uploadAttempted(_ db: Database, _ row: ItemRow) throws -> Bool {
+    guard row.etag == nil, let id = row.id else { return false }
+    return try (Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE item = ?"), arguments: [id]) ?? 0) > 0
+  }
+
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
-  /// completes later fills it in (`markUploaded`); still nil when processed means nothing to do.
+  /// completes later fills it in (`markUploaded`); still nil when processed, the uploader asks
+  /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
   func enqueueDelete(_ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false) throws {
     let now = Clock.nowNs()
     try db.cached(
@@ -433,13 +438,15 @@ public final class IndexStore: @unchecked Sendable {
             }
             if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
           }
+          let dstMaybeInCloud = try Self.uploadAttempted(db, dst)
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
             // Its content stays its own: a dataless source keeps the chunk list its bytes are
             // downloaded (and uploaded) from; a cached one is uploaded from its cache file.
-            try self.enqueueDelete(db, itemID: src.itemID, etag: src.etag)
+            try self.enqueueDelete(
+              db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src))
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
@@ -452,7 +459,7 @@ public final class IndexStore: @unchecked Sendable {
                 """,
               arguments: [src.itemID, dstEtag, src.chunks, dst.base, dst.conflicts, srcID])
           } else {
-            try self.enqueueDelete(db, itemID: dst.itemID, etag: dst.etag)
+            try self.enqueueDelete(db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud)
           }
         }
       }

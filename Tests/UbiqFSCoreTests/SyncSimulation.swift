@@ -596,6 +596,8 @@ final class SyncSimulation {
       (0, 0, 2, 0, 0), (2, 0, 0, 0, 0), (0, 6, 0, 0, 0), (2, 6, 0, 0, 0), (0, 8, 0, 0, 0), (0, 5, 0, 2, 0),
       (0, 0, 2, 0, 0),
     ],
+    // The same when the file is replaced by an atomic save rather than deleted.
+    [(0, 0, 0, 0, 0), (0, 7, 0, 0, 373), (0, 1, 0, 0, 0), (0, 8, 0, 0, 0)],
     // O_TRUNC while another handle has written more than the index knows: the open truncates.
     [(0, 0, 3, 0, 0), (0, 10, 3, 0, 0), (0, 12, 0, 0, 0), (0, 0, 3, 0, 0)],
     // Writes through a handle kept open while the other device's version arrives.
