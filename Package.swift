@@ -118,7 +118,12 @@ let package = Package(
       ]),
     .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
     .testTarget(name: "UbiqCloudTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex"]),
-    .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
+    .testTarget(
+      name: "UbiqCloudScaleTests",
+      dependencies: [
+        "UbiqCore", "UbiqCloud", "UbiqCloudScale",
+        .product(name: "AsyncHTTPClient", package: "async-http-client"),
+      ]),
     .testTarget(
       name: "UbiqServerTests",
       dependencies: [
