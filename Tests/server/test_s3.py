@@ -15,8 +15,11 @@ import threading
 import time
 
 import pytest
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
 from test_api import error, sha
-from ubiqstack import Api, ScaleStorage, ServerProcess, create_account
+from ubiqstack import S3_ACCESS_KEY, S3_SECRET_KEY, Api, ScaleStorage, ServerProcess, create_account
 
 pytestmark = pytest.mark.skipif(
     "scale" not in os.environ.get("UBIQFS_TEST_ENGINES", "embedded,scale").split(","),
@@ -29,12 +32,49 @@ SLOWDOWN = (
 )
 
 
+def botocore_signature(method: str, path: str, headers: dict, token: str | None) -> str:
+    """The SigV4 signature botocore (an independent implementation) computes for the request
+    as it arrived: its method, path, and the headers its Authorization lists as signed."""
+    signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+    req = AWSRequest(method=method, url=f"http://{headers['host']}{path}", headers={h: headers[h] for h in signed})
+    req.context["timestamp"] = headers["x-amz-date"]
+    auth = S3SigV4Auth(Credentials(S3_ACCESS_KEY, S3_SECRET_KEY, token), "s3", "us-east-1")
+    return auth.signature(auth.string_to_sign(req, auth.canonical_request(req)), req)
+
+
+class CheckingS3:
+    """A minimal S3 in memory (HEAD/PUT/GET of objects, HEAD of the bucket) that accepts a
+    request only when it carries the expected session token and its signature is the one
+    botocore computes for it; `bad` counts refusals."""
+
+    def __init__(self, token: str | None):
+        self.token = token
+        self.bad = 0
+        self.objects: dict[str, bytes] = {}
+
+    def answer(self, method: str, path: str, headers: dict, body: bytes) -> tuple[int, bytes]:
+        given = headers.get("authorization", "").split("Signature=")[-1]
+        if headers.get("x-amz-security-token") != self.token or given != botocore_signature(
+            method, path, headers, self.token
+        ):
+            self.bad += 1
+            return 403, b"<Error><Code>SignatureDoesNotMatch</Code></Error>"
+        if method == "PUT":
+            self.objects[path] = body
+            return 200, b""
+        if path in self.objects:
+            return 200, self.objects[path] if method == "GET" else b""
+        return (200, b"") if path.count("/") <= 2 and method == "HEAD" else (404, b"")
+
+
 class FlakyS3Proxy:
     """Forwards to the S3 gateway; answers the next `fail_next` requests (or all of them
     while `fail_all`) with 503 SlowDown. Records every request's method, path and headers."""
 
-    def __init__(self, upstream_port: int):
+    def __init__(self, upstream_port: int, store: CheckingS3 | None = None, base_path: str = ""):
         self.upstream_port = upstream_port
+        self.store = store
+        self.base_path = base_path
         self.fail_next = 0
         self.fail_all = False
         self.slowdowns = 0
@@ -65,6 +105,16 @@ class FlakyS3Proxy:
                     if self.command != "HEAD":
                         self.wfile.write(SLOWDOWN)
                     return
+                if proxy.store is not None:
+                    status, data = proxy.store.answer(
+                        self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body
+                    )
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    if self.command != "HEAD":
+                        self.wfile.write(data)
+                    return
                 c = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
                 c.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for k, v in self.headers.items():
@@ -94,7 +144,7 @@ class FlakyS3Proxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}{self.base_path}"
 
     def stop(self):
         self.httpd.shutdown()
@@ -118,8 +168,8 @@ def start_proxied(scale_stack, tmp_path):
     `env` added to its environment; all stopped at teardown."""
     started: list[tuple[ServerProcess, FlakyS3Proxy]] = []
 
-    def start(env: dict | None = None):
-        proxy = FlakyS3Proxy(scale_stack.s3.s3_port)
+    def start(env: dict | None = None, store: CheckingS3 | None = None, base_path: str = ""):
+        proxy = FlakyS3Proxy(scale_stack.s3.s3_port, store, base_path)
         storage = ProxiedStorage(scale_stack.storage(), proxy, env)
         srv = ServerProcess(storage, tmp_path / f"serve-{len(started)}.log")
         started.append((srv, proxy))
@@ -167,11 +217,26 @@ def test_a_store_that_keeps_failing_is_unavailable_within_the_bound(flaky):
     assert api.put(f"/v1/chunks/{sha(data)}", data).status == 201
 
 
-def test_session_token_is_sent_and_signed(start_proxied):
-    proxy, api = start_proxied({"UBIQFS_S3_SESSION_TOKEN": "ubiq-test-session-token"})
+def test_base_path_port_and_session_token_are_signed_as_sent(start_proxied):
+    """SeaweedFS takes no base path and checks session tokens against its own STS, so this
+    S3 is the in-memory one: every request must carry the signature botocore computes."""
+    token = "ubiq-test-session-token"
+    store = CheckingS3(token)
+    proxy, api = start_proxied({"UBIQFS_S3_SESSION_TOKEN": token}, store, "/base/s3")
     data = os.urandom(1000)
     assert api.put(f"/v1/chunks/{sha(data)}", data).status == 201
+    assert api.get(f"/v1/chunks/{sha(data)}").body == data
+    assert store.bad == 0
+    assert len(proxy.requests) >= 3
+    for method, path, headers in proxy.requests:
+        assert path.startswith("/base/s3/ubiq"), path
+        assert headers["host"] == f"127.0.0.1:{proxy.httpd.server_address[1]}"
+        assert headers["x-amz-security-token"] == token
+        signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+        assert {"host", "x-amz-security-token"} <= set(signed)
+    # What the check would refuse: the same request signed without the base path or the port.
     method, path, headers = proxy.requests[-1]
-    assert headers["x-amz-security-token"] == "ubiq-test-session-token"
-    assert "x-amz-security-token" in headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
-    assert headers["host"] == proxy.endpoint.removeprefix("http://")
+    given = headers["authorization"].split("Signature=")[-1]
+    assert botocore_signature(method, path, headers, token) == given
+    assert botocore_signature(method, path.removeprefix("/base/s3"), headers, token) != given
+    assert botocore_signature(method, path, dict(headers, host="127.0.0.1"), token) != given
