@@ -120,7 +120,12 @@ let package = Package(
     .testTarget(
       name: "UbiqCloudTests",
       dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex", .product(name: "GRDB", package: "GRDB.swift")]),
-    .testTarget(name: "UbiqCloudScaleTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqCloudScale"]),
+    .testTarget(
+      name: "UbiqCloudScaleTests",
+      dependencies: [
+        "UbiqCore", "UbiqCloud", "UbiqCloudScale",
+        .product(name: "AsyncHTTPClient", package: "async-http-client"),
+      ]),
     .testTarget(
       name: "UbiqServerTests",
       dependencies: [

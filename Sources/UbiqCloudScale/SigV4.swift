@@ -9,30 +9,60 @@ public struct SigV4Signer: Sendable {
   public var secretKey: String
   public var region: String
   public var service: String
+  /// The session token of temporary credentials (e.g. from AWS STS): sent and signed as
+  /// `x-amz-security-token`.
+  public var sessionToken: String?
+  /// Whether the payload hash is also sent (and signed) as `x-amz-content-sha256`, as S3
+  /// requires; other services take it only in the canonical request.
+  public var sendsPayloadHash: Bool
 
-  public init(accessKey: String, secretKey: String, region: String, service: String = "s3") {
+  public init(
+    accessKey: String, secretKey: String, region: String, service: String = "s3", sessionToken: String? = nil,
+    sendsPayloadHash: Bool = true
+  ) {
     self.accessKey = accessKey
     self.secretKey = secretKey
     self.region = region
     self.service = service
+    self.sessionToken = sessionToken
+    self.sendsPayloadHash = sendsPayloadHash
   }
 
   /// The payload hash of an empty body.
   public static let emptyPayloadHash = sha256Hex(Data())
 
-  /// Headers to add to a request: `x-amz-date`, `x-amz-content-sha256` and `Authorization`.
-  /// `headers` are the request's other headers to sign (they must include `host`);
-  /// `path` is the already-encoded absolute path, `query` the decoded query items.
+  /// Headers to add to a request: `x-amz-date`, `x-amz-content-sha256` (if `sendsPayloadHash`),
+  /// `x-amz-security-token` (with a session token) and `Authorization`.
+  /// `headers` are the request's other headers to sign (they must include `host`, with the port
+  /// unless it is the scheme's default); `path` is the already-encoded absolute path, as sent
+  /// (an endpoint's base path included), `query` the decoded query items.
   public func sign(
     method: String, path: String, query: [(String, String)] = [], headers: [String: String], payloadHash: String,
     date: Date = Date()
   ) -> [String: String] {
+    sign(
+      method: method, path: path, query: query, headerList: headers.map { ($0.key, $0.value) },
+      payloadHash: payloadHash, date: date)
+  }
+
+  /// As `sign(method:path:query:headers:payloadHash:date:)`, with headers that may repeat a
+  /// name: the values of one name are signed comma-joined in their order.
+  public func sign(
+    method: String, path: String, query: [(String, String)] = [], headerList: [(String, String)],
+    payloadHash: String, date: Date = Date()
+  ) -> [String: String] {
     let amzDate = Self.amzDate(date)
     let day = String(amzDate.prefix(8))
     var all: [String: String] = [:]
-    for (k, v) in headers { all[k.lowercased()] = Self.trimHeaderValue(v) }
-    all["x-amz-date"] = amzDate
-    all["x-amz-content-sha256"] = payloadHash
+    for (k, v) in headerList {
+      let name = k.lowercased()
+      let value = Self.trimHeaderValue(v)
+      all[name] = all[name].map { $0 + "," + value } ?? value
+    }
+    var added = ["x-amz-date": amzDate]
+    if sendsPayloadHash { added["x-amz-content-sha256"] = payloadHash }
+    if let sessionToken { added["x-amz-security-token"] = sessionToken }
+    all.merge(added) { _, new in new }
     let names = all.keys.sorted()
     let canonicalHeaders = names.map { "\($0):\(all[$0]!)\n" }.joined()
     let signedHeaders = names.joined(separator: ";")
@@ -48,12 +78,9 @@ public struct SigV4Signer: Sendable {
       "AWS4-HMAC-SHA256", amzDate, scope, Self.sha256Hex(Data(canonicalRequest.utf8)),
     ].joined(separator: "\n")
     let signature = Self.hex(HMAC<SHA256>.authenticationCode(for: Data(stringToSign.utf8), using: signingKey(day: day)))
-    return [
-      "x-amz-date": amzDate,
-      "x-amz-content-sha256": payloadHash,
-      "Authorization":
-        "AWS4-HMAC-SHA256 Credential=\(accessKey)/\(scope), SignedHeaders=\(signedHeaders), Signature=\(signature)",
-    ]
+    added["Authorization"] =
+      "AWS4-HMAC-SHA256 Credential=\(accessKey)/\(scope), SignedHeaders=\(signedHeaders), Signature=\(signature)"
+    return added
   }
 
   func signingKey(day: String) -> SymmetricKey {

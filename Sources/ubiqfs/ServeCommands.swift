@@ -21,10 +21,13 @@ struct StorageOptions: ParsableArguments {
   var postgresSslmode: String?
   @Option(help: "CA certificate (PEM) that verifies PostgreSQL's certificate ($UBIQFS_POSTGRES_CA).")
   var postgresCa: String?
-  @Option(help: "S3 endpoint URL ($UBIQFS_S3_ENDPOINT), e.g. http://127.0.0.1:8333.") var s3Endpoint: String?
+  @Option(
+    help: "S3 endpoint URL ($UBIQFS_S3_ENDPOINT), e.g. http://127.0.0.1:8333 or https://proxy.example/s3 (a base path)."
+  ) var s3Endpoint: String?
   @Option(help: "S3 bucket ($UBIQFS_S3_BUCKET).") var s3Bucket: String?
   @Option(help: "S3 access key ($UBIQFS_S3_ACCESS_KEY).") var s3AccessKey: String?
   @Option(help: "S3 secret key ($UBIQFS_S3_SECRET_KEY).") var s3SecretKey: String?
+  @Option(help: "S3 session token of temporary credentials ($UBIQFS_S3_SESSION_TOKEN).") var s3SessionToken: String?
   @Option(help: "S3 region ($UBIQFS_S3_REGION, default us-east-1).") var s3Region: String?
   @Option(help: "Prefix for every object key ($UBIQFS_S3_PREFIX).") var s3Prefix: String?
   @Option(help: "Folder for local state (used for the default --data).") var stateDir: String?
@@ -56,8 +59,9 @@ struct StorageOptions: ParsableArguments {
           rootCertificate: pick(postgresCa, "UBIQFS_POSTGRES_CA").map(absolutePath)),
         s3: S3Config(
           endpoint: endpoint!, bucket: bucket!, accessKey: access!, secretKey: secret!,
-          region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1", keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? ""
-        ))
+          region: pick(s3Region, "UBIQFS_S3_REGION") ?? "us-east-1",
+          keyPrefix: pick(s3Prefix, "UBIQFS_S3_PREFIX") ?? "",
+          sessionToken: pick(s3SessionToken, "UBIQFS_S3_SESSION_TOKEN")))
     }
     let dir =
       pick(data, "UBIQFS_SERVER_DIR") ?? (Paths(stateDir: stateDir, cloudDir: nil).stateRoot.path + "/server")

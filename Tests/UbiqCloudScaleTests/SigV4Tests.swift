@@ -57,3 +57,95 @@ final class SigV4Tests: XCTestCase {
     XCTAssertEqual(SigV4Signer.uriEncode("a b/c", slash: false), "a%20b/c")
   }
 }
+
+/// Vectors of AWS's published SigV4 test suite (`aws-sig-v4-test-suite`, "Signature Version 4
+/// test suite" of the AWS General Reference): credentials AKIDEXAMPLE, region us-east-1,
+/// service `service`, 2015-08-30T12:36:00Z, host example.amazonaws.com. The suite's requests
+/// carry no `x-amz-content-sha256` (an S3 header), so the signer is made without it.
+final class SigV4TestSuiteTests: XCTestCase {
+  let signer = SigV4Signer(
+    accessKey: "AKIDEXAMPLE", secretKey: "wJalrXUtnFEMI/K7MDENG+bPxRfiCYEXAMPLEKEY", region: "us-east-1",
+    service: "service", sendsPayloadHash: false)
+  let date = Date(timeIntervalSince1970: 1_440_938_160)  // 2015-08-30T12:36:00Z
+  let host = ("Host", "example.amazonaws.com")
+  /// The suite's example session token (post-sts-token).
+  let token =
+    "AQoDYXdzEPT//////////wEXAMPLEtc764bNrC9SAPBSM22wDOk4x4HIZ8j4FZTwdQWLWsKWHGBuFqwAeMicRXmxfpSPfIeoIYRqTflfKD8YUuwthAx7mSEI/qkPpKPi/kMcGdQrmGdeehM4IC1NtBmUpp2wUE8phUZampKsburEDy0KPkyQDYwT7WZ0wq5VSXDvp75YU9HFvlRd8Tx6q6fE8YQcHNVXAkiY9q6d+xo0rKwT38xVqr7ZD0u0iPPkUL64lIZbqBAz+scqKmlzm8FDrypNC9Yjc8fPOLn9FX9KSYvKTr4rvx3iSIlTJabIQwj2ICCR/oLxBA=="
+
+  func authorization(_ signedHeaders: String, _ signature: String) -> String {
+    "AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/service/aws4_request, "
+      + "SignedHeaders=\(signedHeaders), Signature=\(signature)"
+  }
+
+  func testGetVanilla() {
+    let h = signer.sign(
+      method: "GET", path: "/", headerList: [host], payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(h["x-amz-date"], "20150830T123600Z")
+    XCTAssertNil(h["x-amz-content-sha256"])
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization("host;x-amz-date", "5fa00fa31553b73ebf1942676e86291e8372ff2a2260956d9b8aae1d763fbf31"))
+  }
+
+  func testPostVanilla() {
+    let h = signer.sign(
+      method: "POST", path: "/", headerList: [host], payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization("host;x-amz-date", "5da7c1a2acd57cee7505fc6676e4e544621c30862966e37dddb68e92efbe5d6b"))
+  }
+
+  func testGetVanillaQueryOrderKeyCase() {
+    let h = signer.sign(
+      method: "GET", path: "/", query: [("Param2", "value2"), ("Param1", "value1")], headerList: [host],
+      payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization("host;x-amz-date", "b97d918cfa904a5beff61c982a1b6f458b799221646efd99d3219ec94cdf2500"))
+  }
+
+  func testGetVanillaQueryUnreserved() {
+    let unreserved = "-._~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    let h = signer.sign(
+      method: "GET", path: "/", query: [(unreserved, unreserved)], headerList: [host],
+      payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization("host;x-amz-date", "9c3e54bfcdf0b19771a7f523ee5669cdf59bc7cc0884027167c21bb143a40197"))
+  }
+
+  func testGetHeaderKeyDuplicate() {
+    let h = signer.sign(
+      method: "GET", path: "/",
+      headerList: [host, ("My-Header1", "value2"), ("My-Header1", "value2"), ("My-Header1", "value1")],
+      payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization(
+        "host;my-header1;x-amz-date", "c9d5ea9f3f72853aea855b47ea873832890dbdd183b4468f858259531a5138ea"))
+  }
+
+  func testGetHeaderValueTrim() {
+    let h = signer.sign(
+      method: "GET", path: "/", headerList: [host, ("My-Header1", " value1"), ("My-Header2", "\"a   b   c\"")],
+      payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization(
+        "host;my-header1;my-header2;x-amz-date",
+        "acc3ed3afb60bb290fc8d2dd0098b9911fcaa05412b367055dee359757a9c736"))
+  }
+
+  /// post-sts-header-before: the session token is sent as `x-amz-security-token` and signed.
+  func testPostSTSHeaderBefore() {
+    var s = signer
+    s.sessionToken = token
+    let h = s.sign(
+      method: "POST", path: "/", headerList: [host], payloadHash: SigV4Signer.emptyPayloadHash, date: date)
+    XCTAssertEqual(h["x-amz-security-token"], token)
+    XCTAssertEqual(
+      h["Authorization"],
+      authorization(
+        "host;x-amz-date;x-amz-security-token", "85d96828115b5dc0cfc3bd16ad9e210dd772bbebba041836c64533a82be05ead"))
+  }
+}
