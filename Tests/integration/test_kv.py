@@ -1,4 +1,4 @@
-"""Key-value store (issue 7): `ubiqfs kv` on two devices sharing one cloud.
+"""Key-value store: `ubiqfs kv` on two devices sharing one cloud.
 
 In server modes each device is signed in to the same account through its own `ubiqfs serve`
 process; in the embedded mode both devices share the embedded cloud folder.
