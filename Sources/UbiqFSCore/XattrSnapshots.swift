@@ -27,15 +27,16 @@ final class XattrSnapshots: @unchecked Sendable {
     }
   }
 
-  /// The bytes to answer a call with a `size`-byte buffer: `current` if it fits, else a recent
-  /// snapshot that fits (taken by the size query this call follows), else nil (ERANGE).
+  /// The bytes to answer a call with a `size`-byte buffer: a recent snapshot that fits (taken
+  /// by the size query this call follows: the caller expects exactly that length, and
+  /// `rsync -X` fails when a value shrank in between), else `current` if it fits, else nil
+  /// (ERANGE).
   func fitting(_ inode: UInt64, _ name: String, current: Data, size: Int) -> Data? {
     lock.withLock {
       let key = Key(inode: inode, name: name)
       let snapshot = entries.removeValue(forKey: key)
-      if current.count <= size { return current }
-      guard let s = snapshot, Date().timeIntervalSince(s.taken) < lifetime, s.value.count <= size else { return nil }
-      return s.value
+      if let s = snapshot, Date().timeIntervalSince(s.taken) < lifetime, s.value.count <= size { return s.value }
+      return current.count <= size ? current : nil
     }
   }
 

@@ -291,6 +291,19 @@ extension FilesystemCoreTests {
   }
 }
 
+/// A size query and the read that follows it agree on the value, whether it grew or shrank in
+/// between (`rsync -X` compares the two lengths).
+@Test func xattrSnapshotsAnswerTheSizeThatWasAskedFor() {
+  let snapshots = XattrSnapshots()
+  snapshots.remember(7, "user.ubiq.percent_uploaded", Data("42".utf8))
+  #expect(snapshots.fitting(7, "user.ubiq.percent_uploaded", current: Data("7".utf8), size: 2) == Data("42".utf8))
+  snapshots.remember(7, "user.ubiq.percent_uploaded", Data("9".utf8))
+  #expect(snapshots.fitting(7, "user.ubiq.percent_uploaded", current: Data("100".utf8), size: 1) == Data("9".utf8))
+  // Without a size query first, the current value if it fits.
+  #expect(snapshots.fitting(7, "user.ubiq.percent_uploaded", current: Data("100".utf8), size: 8) == Data("100".utf8))
+  #expect(snapshots.fitting(7, "user.ubiq.percent_uploaded", current: Data("100".utf8), size: 2) == nil)
+}
+
 /// The embedded cloud with a switch in front of chunk downloads: while held, `getChunk` waits,
 /// so a test can act while a download is in flight.
 final class GatedCloud: CloudService, @unchecked Sendable {
