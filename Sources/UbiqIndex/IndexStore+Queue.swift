@@ -68,8 +68,7 @@ extension IndexStore {
           ])
       }
       // Held records of the item that this version supersedes (a merge took them in).
-      try db.execute(
-        sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [itemID, result.changeSeq])
+      try Self.releaseHeld(db, itemID: itemID, upTo: result.changeSeq)
       if row.revision == revision {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       } else {
@@ -103,7 +102,7 @@ extension IndexStore {
       if let current {
         try Self.holdRemote(db, current)
       } else {
-        try db.execute(sql: "DELETE FROM heldRemote WHERE itemID = ?", arguments: [itemID])
+        try Self.releaseHeld(db, itemID: itemID)
       }
     }
   }

@@ -49,8 +49,7 @@ extension IndexStore {
       case .deferred:
         break
       default:
-        try db.execute(
-          sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [r.itemID, r.changeSeq])
+        try Self.releaseHeld(db, itemID: r.itemID, upTo: r.changeSeq)
       }
       return result
     }
@@ -59,42 +58,39 @@ extension IndexStore {
   func applyRemote(
     _ db: Database, _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy
   ) throws -> RemoteApplyResult {
-    do {
-      // Deleted here, delete not yet done in the cloud: do not bring it back.
-      if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true
-      {
-        return RemoteApplyResult(outcome: .locallyModified)
-      }
-      let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
-      if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
-      // Older than what this device already has (a held record passed by its own upload).
-      if let local, let seq = local.etag.flatMap({ Int64($0) }), r.changeSeq < seq {
+    // Deleted here, delete not yet done in the cloud: do not bring it back.
+    if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true {
+      return RemoteApplyResult(outcome: .locallyModified)
+    }
+    let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
+    if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
+    // Older than what this device already has (a held record passed by its own upload).
+    if let local, let seq = local.etag.flatMap({ Int64($0) }), r.changeSeq < seq {
+      return RemoteApplyResult(outcome: .unchanged, inode: local.id)
+    }
+    if let local,
+      try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
+        || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [local.id!]) == true
+    {
+      // Changes queued, or written through a handle and not recorded yet.
+      return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
+    }
+    if r.deleted {
+      guard let local else { return RemoteApplyResult(outcome: .unchanged) }
+      if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [local.id!])! > 0 {
+        // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
+        try db.execute(
+          sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
+          arguments: [r.etag, local.id!])
+        try self.enqueue(db, local.id!)
         return RemoteApplyResult(outcome: .unchanged, inode: local.id)
       }
-      if let local,
-        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
-          || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [local.id!]) == true
-      {
-        // Changes queued, or written through a handle and not recorded yet.
-        return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
-      }
-      if r.deleted {
-        guard let local else { return RemoteApplyResult(outcome: .unchanged) }
-        if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [local.id!])! > 0 {
-          // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
-          try db.execute(
-            sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
-            arguments: [r.etag, local.id!])
-          try self.enqueue(db, local.id!)
-          return RemoteApplyResult(outcome: .unchanged, inode: local.id)
-        }
-        try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [local.id!])
-        return RemoteApplyResult(
-          outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
-      }
-      return try self.applyRecord(
-        db, r, to: local, uid: uid, gid: gid, collisions: collisions)
+      try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [local.id!])
+      return RemoteApplyResult(
+        outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
     }
+    return try self.applyRecord(
+      db, r, to: local, uid: uid, gid: gid, collisions: collisions)
   }
 
   /// Makes the local row of `r.itemID` (or a new row) match the cloud record `r`: parent, name
@@ -275,8 +271,8 @@ extension IndexStore {
   /// After the uploader merged a conflict and committed `merged`, makes the local row match it
   /// (the row keeps its revision, so a newer local change still uploads). `keepingPlace`: the
   /// commit parked the item under a temporary name; the row keeps its own parent and name, as
-  /// a local change still to upload. `keepingContent`: the file is open for writing, so its
-  /// cached bytes stay current; the merged version's content becomes a conflict version and
+  /// a local change still to upload. `keepingContent`: the file is open for writing or was
+  /// saved again while the merge was committed, so its cached bytes stay current; the merged version's content becomes a conflict version and
   /// the local content is uploaded again on top.
   public func adoptMerged(
     _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false,
@@ -471,11 +467,8 @@ extension IndexStore {
   }
 
   /// Forgets the held record of `itemID` if it is not newer than `changeSeq` (nil: whatever it is).
-  public func releaseHeldRemote(itemID: String, upTo changeSeq: Int64? = nil) throws {
-    try pool.write { db in
-      try db.execute(
-        sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?",
-        arguments: [itemID, changeSeq ?? Int64.max])
-    }
+  static func releaseHeld(_ db: Database, itemID: String, upTo changeSeq: Int64? = nil) throws {
+    try db.execute(
+      sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [itemID, changeSeq ?? Int64.max])
   }
 }

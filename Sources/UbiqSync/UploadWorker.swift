@@ -165,7 +165,6 @@ public final class UploadWorker: @unchecked Sendable {
           try index.markDone(seq: entry.seq)
         }
       } else if let itemID = entry.deleteItemID {
-        // No etag: the item never reached the cloud (an upload would have filled it in).
         var restoring: CloudItem? = nil
         var etag = entry.deleteEtag
         if etag == nil && entry.deleteMaybeInCloud,
@@ -180,6 +179,7 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = current
           }
         }
+        // Still no etag (and no upload attempted): the item never reached the cloud.
         if etag != nil && restoring == nil {
           do {
             _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)
@@ -198,7 +198,6 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = try await cloud.item(container, itemID: itemID)
           }
         }
-        // No etag and no attempted upload: the item never reached the cloud.
         try index.finishDelete(seq: entry.seq, itemID: itemID, restoring: restoring)
         if restoring != nil { onNeedsPull() }
       }
