@@ -32,6 +32,13 @@ python3 -c 'import pytest' 2>/dev/null || python3 -m pip install -q pytest
 lazyfs_src="$(cd .. && pwd)/shared/lazyfs"
 lazyfs_out="${XDG_CACHE_HOME:-$HOME/.cache}/ubiqfs/lazyfs"
 if [ -x "$lazyfs_src/build.sh" ]; then
+  # The build folder remembers the source path it was configured from (CMakeCache.txt) and cmake
+  # refuses to reuse it for the same sources at another path, so a folder from another checkout
+  # location is dropped and the build starts over.
+  for cache in "$lazyfs_out"/build/*/CMakeCache.txt; do
+    [ -f "$cache" ] || continue
+    grep -q "^CMAKE_HOME_DIRECTORY:INTERNAL=$lazyfs_src/" "$cache" || { rm -rf "$lazyfs_out/build"; break; }
+  done
   [ -x "$lazyfs_out/lazyfs" ] || echo "setup: building LazyFS into $lazyfs_out"
   "$lazyfs_src/build.sh" "$lazyfs_out"
 else
