@@ -32,6 +32,8 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
   case noSpace(String)
   /// A name that is not valid UTF-8.
   case illegalByteSequence(String)
+  /// The caller gave up on the request (a signal interrupted its system call).
+  case interrupted(String)
 
   /// A failed system call on local storage (the cache, the index's disk), keeping the errno a
   /// user can act on: ENOSPC and EDQUOT (disk full), EFBIG; anything else is an I/O error.
@@ -68,6 +70,7 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .fileTooLarge: return EFBIG
     case .noSpace: return ENOSPC
     case .illegalByteSequence: return EILSEQ
+    case .interrupted: return EINTR
     }
   }
 
@@ -94,6 +97,7 @@ public enum UbiqError: Error, Equatable, CustomStringConvertible, Sendable {
     case .fileTooLarge(let m): return "file too large: \(m)"
     case .noSpace(let m): return "no space left on the state folder's disk: \(m)"
     case .illegalByteSequence(let m): return "name is not valid UTF-8: \(m)"
+    case .interrupted(let m): return "interrupted: \(m)"
     }
   }
 }

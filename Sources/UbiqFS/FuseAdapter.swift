@@ -105,6 +105,25 @@ final class FuseAdapter: @unchecked Sendable {
     do { try body() } catch { reply(req, error: error) }
   }
 
+  /// Runs `body` (which may wait for content) with an `Interruption` that the kernel's
+  /// FUSE_INTERRUPT for `req` fires. Returns before any reply: libfuse frees the request with
+  /// its reply, so the callback is unregistered first (which also waits for a running one).
+  func interruptible<T>(_ req: fuse_req_t?, _ body: (Interruption) throws -> T) throws -> T {
+    let interruption = Interruption()
+    let token = Unmanaged.passRetained(interruption)
+    fuse_req_interrupt_func(
+      req,
+      { _, data in
+        guard let data else { return }
+        Unmanaged<Interruption>.fromOpaque(data).takeUnretainedValue().interrupt()
+      }, token.toOpaque())
+    defer {
+      fuse_req_interrupt_func(req, nil, nil)
+      token.release()
+    }
+    return try body(interruption)
+  }
+
   // MARK: - namespace
 
   func lookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?) {
@@ -259,7 +278,9 @@ final class FuseAdapter: @unchecked Sendable {
 
   func open(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     run(req) {
-      let opened = try core.open(Int64(ino), flags: fi?.pointee.flags ?? 0, caller: caller(req))
+      let flags = fi?.pointee.flags ?? 0
+      let who = caller(req)
+      let opened = try interruptible(req) { try core.open(Int64(ino), flags: flags, caller: who, interruption: $0) }
       replyOpen(req, fi, opened)
     }
   }
@@ -283,7 +304,7 @@ final class FuseAdapter: @unchecked Sendable {
   func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
     run(req) {
-      let fd = try core.prepareRead(fh, offset: Int64(off), size: size)
+      let fd = try interruptible(req) { try core.prepareRead(fh, offset: Int64(off), size: size, interruption: $0) }
       _ = ubiq_reply_fd(req, fd, size, off)
       core.didRead(fh)
     }

@@ -56,10 +56,7 @@ extension FilesystemCore {
 
   /// Downloads a file's content into the cache (a no-op if it is there).
   public func download(_ inode: Int64) throws {
-    try coordinator.withInodeLock(inode) {
-      let row = try requireRow(inode)
-      if row.kind == .file { try ensureContent(row) }
-    }
+    try withContentCached(inode, interruption: nil) { _ in }
   }
 
   /// Evicts least-recently-used clean content until the cache fits its budget and the disk keeps

@@ -77,11 +77,8 @@ public final class FilesystemCore: @unchecked Sendable {
     let ino = row.id!
     var size = row.size
     var mtime = row.mtimeNs
-    if row.kind == .file, let live = handles.liveState(ino) {
-      if live.anyFD >= 0 {
-        var fst = Glibc.stat()
-        if fstat(live.anyFD, &fst) == 0 { size = Int64(fst.st_size) }
-      }
+    if row.kind == .file, let live = handles.openFileState(ino) {
+      if let s = live.size { size = s }
       if let m = live.pendingMtimeNs { mtime = m }
     }
     var links = 1
@@ -116,10 +113,8 @@ public final class FilesystemCore: @unchecked Sendable {
   public func getattr(_ inode: Int64) throws -> FileAttributes {
     if let row = try index.item(inode) { return attributes(for: row) }
     // An open file that was unlinked.
-    if let live = handles.liveState(inode), let o = live.orphan {
-      var size: Int64 = 0
-      var st = Glibc.stat()
-      if live.anyFD >= 0, fstat(live.anyFD, &st) == 0 { size = Int64(st.st_size) }
+    if let o = handles.liveState(inode)?.orphan, let live = handles.openFileState(inode) {
+      let size = live.size ?? 0
       let mtime = live.pendingMtimeNs ?? o.mtimeNs
       return FileAttributes(
         inode: inode, kind: .file, mode: o.mode & 0o7777, linkCount: 0, uid: o.uid, gid: o.gid, size: size,
@@ -153,11 +148,13 @@ public final class FilesystemCore: @unchecked Sendable {
       guard size >= 0 else { throw UbiqError.invalidArgument("negative size") }
       guard size <= Self.maxFileSize else { throw UbiqError.fileTooLarge("\(size) bytes") }
       let open = handle.flatMap { handles.get($0) }
-      try coordinator.withInodeLock(inode) {
-        // Read again under the lock: a remote version or an eviction may have come in between.
+      if size != 0 {
         // A size other than 0 keeps a prefix of the content, so the content must be here.
-        if size != 0 { try ensureContent(try requireRow(inode)) }
-        try truncateContent(inode, to: size, through: open?.fd)
+        try withContentCached(inode, interruption: nil) { _ in
+          try truncateContent(inode, to: size, through: open?.fd)
+        }
+      } else {
+        try coordinator.withInodeLock(inode) { try truncateContent(inode, to: size, through: open?.fd) }
       }
       c.size = size
       if c.mtimeNs == nil { c.mtimeNs = now }
@@ -329,7 +326,9 @@ public final class FilesystemCore: @unchecked Sendable {
 
   // MARK: - files
 
-  public func open(_ inode: Int64, flags: Int32, caller: Caller) throws -> OpenedFile {
+  public func open(
+    _ inode: Int64, flags: Int32, caller: Caller, interruption: Interruption? = nil
+  ) throws -> OpenedFile {
     let row = try requireRow(inode)
     if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
     let writable = flags & O_ACCMODE != O_RDONLY
@@ -339,11 +338,25 @@ public final class FilesystemCore: @unchecked Sendable {
     }
     // The handle is registered under the inode lock, so an eviction (which takes the same
     // lock) either ran before this open or sees the handle and refuses.
-    let h = try coordinator.withInodeLock(inode) { () throws -> UInt64 in
-      let (fd, stream) = try openCacheFile(inode, flags: flags)
-      let file = OpenFile(inode: inode, fd: fd, writable: writable, epoch: pageEpochs.current(inode))
+    func register(_ fd: Int32, _ stream: ContentStream?) -> UInt64 {
+      let file = OpenFile(
+        inode: inode, fd: fd, writable: writable, epoch: pageEpochs.current(inode), readAhead: newReadAheadWindow())
       file.stream = stream
       return handles.add(file)
+    }
+    let h: UInt64
+    if writable && flags & O_TRUNC == 0 {
+      // A writer needs the whole content here first.
+      h = try withContentCached(inode, interruption: interruption) { _ in
+        let fd = try cache.open(inode, create: false)
+        coordinator.noteWriterOpened(inode)
+        return register(fd, nil)
+      }
+    } else {
+      h = try coordinator.withInodeLock(inode) {
+        let (fd, stream) = try openCacheFile(inode, flags: flags)
+        return register(fd, stream)
+      }
     }
     handles.noteUse(inode)
     // Local writes go through the kernel's page cache, so cached pages stay valid, unless the
@@ -351,14 +364,21 @@ public final class FilesystemCore: @unchecked Sendable {
     return OpenedFile(handle: h, keepCache: pageEpochs.mayKeepPages(inode))
   }
 
-  /// Opens the cache file of `inode` for a new handle, under the inode lock: truncated for
-  /// O_TRUNC, downloaded first for writers, streamed (the returned download) for readers of
-  /// evicted content.
+  /// A new handle's read-ahead: at most 64 MiB, and at most a quarter of the cache budget.
+  func newReadAheadWindow() -> ReadAheadWindow {
+    var maximum: Int64 = 64 << 20
+    if options.cacheBudgetBytes > 0 { maximum = min(maximum, max(1 << 20, options.cacheBudgetBytes / 4)) }
+    return ReadAheadWindow(initial: 1 << 20, maximum: maximum)
+  }
+
+  /// Opens the cache file of `inode` for a new handle that does not need the old content, under
+  /// the inode lock: truncated for O_TRUNC (works offline, downloads nothing), streamed (the
+  /// returned download, which the handle gives back when it closes) for readers of evicted
+  /// content.
   func openCacheFile(_ inode: Int64, flags: Int32) throws -> (Int32, ContentStream?) {
     let current = try requireRow(inode)
     let writable = flags & O_ACCMODE != O_RDONLY
-    if writable && flags & O_TRUNC != 0 {
-      // Replaced whole: the old content is never needed (works offline, downloads nothing).
+    if writable {
       let fd = try cache.open(inode, create: true)
       do {
         // The index may say 0 bytes while another handle has written more, not yet recorded:
@@ -377,43 +397,59 @@ public final class FilesystemCore: @unchecked Sendable {
       return (fd, nil)
     }
     var stream: ContentStream?
-    if current.content == .dataless && !writable, let downloader {
-      // Read-only: return now; each read waits only for its own range.
-      stream = try downloader.stream(inode)
-    } else {
-      try ensureContent(current)
+    if try !contentPresent(current) {
+      guard let downloader else { throw UbiqError.io("content of \(current.name) is not downloaded") }
+      // Each read waits only for its own range.
+      stream = try downloader.openReader(inode)
     }
-    let fd = try cache.open(inode, create: false)
-    if writable { coordinator.noteWriterOpened(inode) }
-    return (fd, stream)
+    do {
+      return (try cache.open(inode, create: false), stream)
+    } catch {
+      if let stream { downloader?.closeReader(stream) }
+      throw error
+    }
   }
 
-  /// Makes sure the content of a file is in the cache (downloads evicted content).
-  func ensureContent(_ row: ItemRow) throws {
-    if row.content == .cached {
-      guard !cache.exists(row.id!) else { return }
-      // No cache file: an empty file (created remotely), or lost local bytes (a crash, a hand
-      // removal). Content the cloud has is downloaded again rather than shown empty.
-      if row.size == 0 {
-        close(try cache.open(row.id!, create: true))
-        return
-      }
-      guard downloader != nil, try index.markContentMissing(row.id!) else {
-        // Never an empty file in its place: that would be uploaded over the cloud's copy.
-        log.error("cache file of \(row.name) is gone and its last changes never reached the cloud")
-        throw UbiqError.io("the local content of \(row.name) is lost")
-      }
-      log.warning("cache file of \(row.name) was missing; downloading it again")
+  /// Whether the content of a file is in the cache. A cached row whose cache file is gone (a
+  /// crash, a hand removal) becomes evicted again, to be downloaded, when the cloud has its
+  /// content; when its last changes never reached the cloud the content is lost: EIO, never an
+  /// empty file in its place (that would be uploaded over the cloud's copy).
+  func contentPresent(_ row: ItemRow) throws -> Bool {
+    guard row.content == .cached else { return false }
+    if cache.exists(row.id!) { return true }
+    if row.size == 0 {
+      close(try cache.open(row.id!, create: true))
+      return true
     }
-    guard let downloader else { throw UbiqError.io("content of \(row.name) is not downloaded") }
-    do {
-      try downloader.ensureCached(row.id!)
-    } catch let e as UbiqError {
-      throw e
-    } catch let e as CloudError {
-      log.warning("download of \(row.name) failed: \(e)")
-      throw UbiqError.io("download of \(row.name) failed: \(e)")
+    guard downloader != nil, try index.markContentMissing(row.id!) else {
+      log.error("cache file of \(row.name) is gone and its last changes never reached the cloud")
+      throw UbiqError.io("the local content of \(row.name) is lost")
     }
+    log.warning("cache file of \(row.name) was missing; downloading it again")
+    return false
+  }
+
+  /// Runs `body` under the inode lock with the file's content in the cache (for anything that
+  /// is not a file, at once). A download waits outside the lock, so other inodes that share
+  /// its stripe go on and the caller can be interrupted; the content is then looked at again
+  /// under the lock (an eviction or a remote version may have come in between).
+  func withContentCached<T>(_ inode: Int64, interruption: Interruption?, _ body: (ItemRow) throws -> T) throws -> T {
+    for _ in 0..<3 {
+      let result = try coordinator.withInodeLock(inode) { () throws -> T? in
+        let row = try requireRow(inode)
+        if row.kind != .file { return try body(row) }
+        return try contentPresent(row) ? try body(row) : nil
+      }
+      if let result { return result }
+      guard let downloader else { throw UbiqError.io("content of inode \(inode) is not downloaded") }
+      do {
+        try downloader.ensureCached(inode, interruption: interruption)
+      } catch let e as CloudError {
+        log.warning("download of inode \(inode) failed: \(e)")
+        throw UbiqError.io("download failed: \(e)")
+      }
+    }
+    throw UbiqError.busy("the content keeps changing; try again")
   }
 
   /// Creates and opens a regular file (O_CREAT with O_EXCL semantics: the kernel only asks when
@@ -436,11 +472,14 @@ public final class FilesystemCore: @unchecked Sendable {
 
   /// Waits until [offset, offset+size) of the handle's file is present and returns the cache
   /// file descriptor to read it from. `didRead` must follow the read.
-  public func prepareRead(_ handle: UInt64, offset: Int64, size: Int) throws -> Int32 {
+  public func prepareRead(
+    _ handle: UInt64, offset: Int64, size: Int, interruption: Interruption? = nil
+  ) throws -> Int32 {
     let f = try openHandle(handle)
     // `stream` is set once at open and never changed, so reading it here is race-free.
-    if let s = f.stream, !(s.finished && s.failed == nil) {
-      try s.waitForRange(offset, size, timeoutNs: downloader?.stallTimeoutNs ?? 15_000_000_000)
+    if let s = f.stream, let downloader, !(s.finished && s.failed == nil) {
+      let ahead = f.fetchLimit(afterReadAt: offset, length: size)
+      try downloader.waitForRange(s, offset, size, fetchAheadTo: ahead, interruption: interruption)
     }
     return f.fd
   }
@@ -563,6 +602,9 @@ public final class FilesystemCore: @unchecked Sendable {
       // the next mount. The handle no longer blocks uploads of the file.
       log.error("release: recording the writes failed: \(error)")
       if f.dirty { coordinator.noteFlushed(f.inode) }
+    }
+    if let s = f.stream, let downloader {
+      coordinator.withInodeLock(f.inode) { downloader.closeReader(s) }
     }
     close(f.fd)
     if f.writable { coordinator.noteWriterClosed(f.inode) }

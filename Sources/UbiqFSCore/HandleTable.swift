@@ -18,11 +18,21 @@ final class OpenFile {
   var stream: ContentStream?
   /// The inode's `PageCacheEpochs` epoch when this handle was opened.
   var epoch: UInt64 = 0
-  init(inode: Int64, fd: Int32, writable: Bool, epoch: UInt64 = 0) {
+  /// How far the download may fetch ahead of this handle's reads; guarded by `readAheadLock`.
+  private var readAhead: ReadAheadWindow
+  private let readAheadLock = NSLock()
+
+  init(inode: Int64, fd: Int32, writable: Bool, epoch: UInt64 = 0, readAhead: ReadAheadWindow = ReadAheadWindow()) {
     self.inode = inode
     self.fd = fd
     self.writable = writable
     self.epoch = epoch
+    self.readAhead = readAhead
+  }
+
+  /// Records a read through this handle; returns the offset the download may fetch up to.
+  func fetchLimit(afterReadAt offset: Int64, length: Int) -> Int64 {
+    readAheadLock.withLock { readAhead.fetchLimit(afterReadAt: offset, length: length) }
   }
 
   /// Orders writes through this handle against recording them (flush, fsync, close): writes run
@@ -121,6 +131,18 @@ final class HandleTable: @unchecked Sendable {
   }
 
   func liveState(_ inode: Int64) -> LiveInode? { lock.withLock { live[inode] } }
+
+  /// The size of an open file's cache file and its latest write time; nil if it is not open.
+  /// The fstat runs under the table's lock: a handle leaves the table before its descriptor is
+  /// closed, so the descriptor cannot be closed (and its number reused) meanwhile.
+  func openFileState(_ inode: Int64) -> (size: Int64?, pendingMtimeNs: Int64?)? {
+    lock.withLock {
+      guard let l = live[inode] else { return nil }
+      var st = stat()
+      let size = l.anyFD >= 0 && fstat(l.anyFD, &st) == 0 ? Int64(st.st_size) : nil
+      return (size, l.pendingMtimeNs)
+    }
+  }
 
   func noteWrite(_ inode: Int64, mtimeNs: Int64) {
     lock.withLock { live[inode]?.pendingMtimeNs = mtimeNs }

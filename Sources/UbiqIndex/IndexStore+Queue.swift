@@ -53,9 +53,20 @@ extension IndexStore {
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == itemID
       else {
-        // Deleted (or re-identified) while uploading: the version just created must go too.
-        try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+        if let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [itemID]) {
+          // Replaced while uploading by a file renamed over it, which took over its identity (an
+          // atomic save): the version just created is the cloud's current one, and the heir's
+          // own change goes on top of it.
+          if (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
+            try db.execute(
+              sql: "UPDATE items SET etag = ?, base = ?, chunks = ? WHERE id = ?",
+              arguments: [result.etag, ItemRow.json(result), heir.content == .cached ? manifest : heir.chunks, heir.id])
+          }
+          return
+        }
+        // Deleted while uploading: the version just created must go too.
+        try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
         return
       }
       if !adopted {

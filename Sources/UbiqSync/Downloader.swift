@@ -8,9 +8,52 @@ import UbiqIndex
   import Glibc
 #endif
 
-/// One in-progress download of a file's content into its cache file. Chunks arrive out of order
-/// (what readers wait for first, then sequential prefetch, several at a time); readers block
-/// only until their own byte range is present. All readers of the inode share it.
+/// How far past a read the download of its file may fetch, for one open handle. The window is
+/// as long as the handle's current run of sequential reads (at least `initial`, at most
+/// `maximum`), so it grows while the handle streams the file and falls back to `initial` after
+/// a seek, like the kernel's own read-ahead and mountpoint-s3's prefetcher. A handle that reads
+/// one byte costs about one window of download, not the whole file.
+public struct ReadAheadWindow: Sendable {
+  public let initial: Int64
+  public let maximum: Int64
+  /// Where the handle's current sequential run started, and where its next read would follow
+  /// it; -1 before the first read.
+  private var runStart: Int64 = -1
+  private var nextOffset: Int64 = -1
+
+  public init(initial: Int64 = 1 << 20, maximum: Int64 = 64 << 20) {
+    self.initial = max(1, initial)
+    self.maximum = max(self.initial, maximum)
+  }
+
+  /// Records a read of [offset, offset+length) and returns the offset up to which the download
+  /// may fetch ahead of it.
+  public mutating func fetchLimit(afterReadAt offset: Int64, length: Int) -> Int64 {
+    let (end, overflow) = offset.addingReportingOverflow(Int64(max(0, length)))
+    if overflow || offset < 0 { return .max }
+    // The kernel sends neighbouring reads slightly out of order: within `initial` of the
+    // expected offset counts as sequential.
+    let sequential =
+      nextOffset >= 0 && offset >= nextOffset.subtractingReportingOverflow(initial).partialValue
+      && offset <= nextOffset.addingReportingOverflow(initial).partialValue
+    if sequential {
+      nextOffset = max(nextOffset, end)
+    } else {
+      runStart = offset
+      nextOffset = end
+    }
+    let window = min(maximum, max(initial, nextOffset - runStart))
+    let (limit, over) = nextOffset.addingReportingOverflow(window)
+    return over ? .max : limit
+  }
+}
+
+/// One in-progress download of a file's content into its cache file, shared by every reader of
+/// the inode. Chunks are fetched in parallel, those readers wait for first, then those inside
+/// the read-ahead windows of the open handles (or all of them, for a whole-file download);
+/// readers block only until their own byte range is present. Owns the chunk bookkeeping, the
+/// cache file descriptor it writes through and the count of handles using it; all of it is
+/// guarded by `cond`, and writes into the file by `writeLock`.
 public final class ContentStream: @unchecked Sendable {
   public let inode: Int64
   /// The chunk manifest being fetched: the download completes only if the item still has it.
@@ -21,18 +64,29 @@ public final class ContentStream: @unchecked Sendable {
   let fd: Int32
   private let cond = NSCondition()
   private var done: [Bool]
+  private var doneCount = 0
   private var inFlight: Set<Int> = []
+  /// Chunks a reader waits for, fetched before any other.
   private var wanted: [Int] = []
+  /// Chunks below this index may be fetched ahead of readers.
+  private var fetchLimit = 0
+  /// Every chunk below it is done or in flight.
+  private var cursor = 0
+  /// The whole file is wanted (an open for writing, a pin, `ubiqfs download`): the download
+  /// runs to the end even when no handle reads it any more.
+  private var wholeFile = false
+  /// Open handles reading through this download.
+  private var users = 0
   private var failure: UbiqError?
   private var isFinished = false
-  /// Set when the file's content was replaced locally (truncate, O_TRUNC): no chunk of the old
-  /// version may land in the cache file after that, and waiting readers read the file as it is.
-  private var isSuperseded = false
-  /// Held around every write into the cache file, so `supersede` returns only after the last
-  /// write of an old chunk is done.
+  private var endingStarted = false
+  /// Set when the download must stop: the file's content was replaced locally (truncate,
+  /// O_TRUNC), the item went away, or the last handle reading it closed. No chunk may land in
+  /// the cache file after that; waiting readers read the file as it is.
+  private var isStopped = false
+  /// Held around every write into the cache file, so `stop` returns only after the last write
+  /// of a chunk is done.
   private let writeLock = NSLock()
-  public var finished: Bool { cond.withLock { isFinished } }
-  private var doneCount = 0
 
   init(inode: Int64, manifest: String?, size: Int64, chunks: [ChunkRef], fd: Int32) {
     self.inode = inode
@@ -43,79 +97,146 @@ public final class ContentStream: @unchecked Sendable {
     var o: Int64 = 0
     for c in chunks {
       offs.append(o)
-      o += c.length
+      o = o.addingReportingOverflow(c.length).partialValue
     }
     offsets = offs
     self.fd = fd
     done = Array(repeating: false, count: chunks.count)
   }
 
+  public var finished: Bool { cond.withLock { isFinished } }
+  public var stopped: Bool { cond.withLock { isStopped } }
+  public var failed: UbiqError? { cond.withLock { failure } }
+
   /// Fraction downloaded, 0...100.
   public var percent: Int {
     cond.withLock { chunks.isEmpty ? 100 : Int(Double(doneCount) * 100 / Double(chunks.count)) }
   }
 
-  /// Chunk indexes overlapping [off, off+len).
-  func chunkRange(_ off: Int64, _ len: Int) -> Range<Int> {
-    guard !chunks.isEmpty, len > 0, off < size else { return 0..<0 }
-    let end = min(size, off + Int64(len))
+  /// Bytes of the file present in the cache file so far.
+  public var bytesPresent: Int64 {
+    cond.withLock { done.indices.reduce(Int64(0)) { $0 + (done[$1] ? chunks[$1].length : 0) } }
+  }
+
+  /// The index of the chunk holding byte `offset` (the last chunk for offsets past the end).
+  func chunkIndex(containing offset: Int64) -> Int {
     var lo = 0
     var hi = offsets.count - 1
     while lo < hi {
       let mid = (lo + hi + 1) / 2
-      if offsets[mid] <= off { lo = mid } else { hi = mid - 1 }
+      if offsets[mid] <= offset { lo = mid } else { hi = mid - 1 }
     }
-    var last = lo
-    while last + 1 < offsets.count && offsets[last + 1] < end { last += 1 }
-    return lo..<(last + 1)
+    return lo
   }
 
-  /// Blocks until [off, off+len) is present (or the download failed / `timeoutNs` passed). A
-  /// range that reaches the end of the file also waits until the download is finished (made
-  /// durable and recorded), so a reader that read the whole file then sees it downloaded.
-  public func waitForRange(_ off: Int64, _ len: Int, timeoutNs: UInt64) throws {
+  /// Chunk indexes overlapping [off, off+len).
+  func chunkRange(_ off: Int64, _ len: Int) -> Range<Int> {
+    guard !chunks.isEmpty, len > 0, off >= 0, off < size else { return 0..<0 }
+    let end = min(size, off.addingReportingOverflow(Int64(len)).partialValue)
+    return chunkIndex(containing: off)..<(chunkIndex(containing: end - 1) + 1)
+  }
+
+  // MARK: - readers
+
+  /// Asks for [off, off+len) first and lets the download fetch ahead up to `fetchAheadTo`.
+  /// Returns true if the scheduler should look for chunks to start.
+  func request(_ off: Int64, _ len: Int, fetchAheadTo: Int64) -> Bool {
     let range = chunkRange(off, len)
-    cond.lock()
-    defer { cond.unlock() }
-    if range.contains(where: { !done[$0] }) {
-      // Readers go first: put their chunks at the front of the queue.
-      wanted.insert(contentsOf: range.filter { !done[$0] && !inFlight.contains($0) }, at: 0)
-      cond.broadcast()
-    }
-    let deadline = Date(timeIntervalSinceNow: Double(timeoutNs) / 1e9)
-    while range.contains(where: { !done[$0] }) {
-      if isSuperseded { return }
-      if let failure { throw failure }
-      if !cond.wait(until: deadline) {
-        throw UbiqError.unavailable("timed out waiting for content from the cloud")
+    return cond.withLock {
+      if isStopped || failure != nil { return false }
+      let missing = range.filter { !done[$0] && !inFlight.contains($0) }
+      wanted.insert(contentsOf: missing, at: 0)
+      if !chunks.isEmpty && fetchAheadTo > 0 {
+        let upTo = min(size, fetchAheadTo)
+        fetchLimit = max(fetchLimit, range.upperBound, chunkIndex(containing: max(0, upTo - 1)) + 1)
       }
-    }
-    if off + Int64(len) >= size {
-      // Every byte is here: past the deadline the read goes on without the record.
-      while !isFinished && !isSuperseded && failure == nil && cond.wait(until: deadline) {}
+      return !missing.isEmpty || cursor < fetchLimit
     }
   }
 
-  /// Blocks until the whole file is present.
-  public func waitForAll(timeoutNs: UInt64) throws { try waitForRange(0, Int(clamping: size), timeoutNs: timeoutNs) }
+  /// Asks for every chunk.
+  func requestWholeFile() {
+    cond.withLock {
+      wholeFile = true
+      fetchLimit = chunks.count
+    }
+  }
 
-  /// The next chunk to fetch: one a reader waits for, else the next in file order.
-  func nextChunk() -> Int? {
-    cond.lock()
-    defer { cond.unlock() }
-    if isSuperseded { return nil }
-    while let w = wanted.first {
-      wanted.removeFirst()
-      if !done[w] && !inFlight.contains(w) {
-        inFlight.insert(w)
-        return w
+  /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
+  /// `stallTimeoutNs`, or the caller was interrupted. A range that reaches the end of the file
+  /// also waits until the download is finished (made durable and recorded), so a reader that
+  /// read the whole file then sees it downloaded.
+  func waitForRange(_ off: Int64, _ len: Int, stallTimeoutNs: UInt64, interruption: Interruption?) throws {
+    let range = chunkRange(off, len)
+    let toEnd = off.addingReportingOverflow(Int64(len)).partialValue >= size
+    let wait = {
+      self.cond.lock()
+      defer { self.cond.unlock() }
+      var progress = self.doneCount
+      var deadline = Date(timeIntervalSinceNow: Double(stallTimeoutNs) / 1e9)
+      while range.contains(where: { !self.done[$0] }) || (toEnd && !self.isFinished) {
+        if self.isStopped { return }
+        if let failure = self.failure { throw failure }
+        if interruption?.isInterrupted == true { throw UbiqError.interrupted("waiting for content from the cloud") }
+        if self.doneCount != progress {
+          progress = self.doneCount
+          deadline = Date(timeIntervalSinceNow: Double(stallTimeoutNs) / 1e9)
+        }
+        if !self.cond.wait(until: deadline) && self.doneCount == progress {
+          // Every byte asked for is here: past the deadline the read goes on without the record.
+          if !range.contains(where: { !self.done[$0] }) { return }
+          throw UbiqError.unavailable("no content arrived from the cloud for \(stallTimeoutNs / 1_000_000_000) s")
+        }
       }
     }
-    if let i = done.indices.first(where: { !done[$0] && !inFlight.contains($0) }) {
-      inFlight.insert(i)
-      return i
+    if let interruption {
+      try interruption.watching(wake: { [cond] in cond.withLock { cond.broadcast() } }, wait)
+    } else {
+      try wait()
     }
-    return nil
+  }
+
+  // MARK: - handles
+
+  func addUser() { cond.withLock { users += 1 } }
+
+  /// A handle reading through the download closed. Returns true if it was the last one and
+  /// nothing else wants the rest of the file.
+  func removeUser() -> Bool {
+    cond.withLock {
+      users = max(0, users - 1)
+      return users == 0 && !wholeFile && doneCount < chunks.count
+    }
+  }
+
+  // MARK: - the fetch loop
+
+  /// Chunks to start now, marked in flight: those readers wait for, then the next ones inside
+  /// the fetch limit. The first chunk of a download goes alone: a reader is usually waiting for
+  /// it (time to first byte), and parallel fetches would compete with it for the link.
+  func startableChunks(parallelism: Int) -> [Int] {
+    cond.withLock {
+      if isStopped || failure != nil { return [] }
+      let slots = (doneCount == 0 ? 1 : max(1, parallelism)) - inFlight.count
+      var picked: [Int] = []
+      while picked.count < slots, let w = wanted.first {
+        wanted.removeFirst()
+        if !done[w] && !inFlight.contains(w) {
+          inFlight.insert(w)
+          picked.append(w)
+        }
+      }
+      while picked.count < slots && cursor < fetchLimit {
+        let i = cursor
+        cursor += 1
+        if !done[i] && !inFlight.contains(i) {
+          inFlight.insert(i)
+          picked.append(i)
+        }
+      }
+      while cursor < fetchLimit && (done[cursor] || inFlight.contains(cursor)) { cursor += 1 }
+      return picked
+    }
   }
 
   func complete(_ i: Int) {
@@ -129,38 +250,72 @@ public final class ContentStream: @unchecked Sendable {
     }
   }
 
-  func fail(_ e: UbiqError) {
+  /// Chunk `i` was not written because the download stopped.
+  func drop(_ i: Int) {
     cond.withLock {
+      inFlight.remove(i)
+      cond.broadcast()
+    }
+  }
+
+  func giveUp(_ i: Int, _ e: UbiqError) {
+    cond.withLock {
+      inFlight.remove(i)
       if failure == nil { failure = e }
       cond.broadcast()
     }
   }
 
-  /// Stops the download for good because the local content replaced the version it fetches.
-  /// Returns once no old chunk can be written into the cache file any more.
-  func supersede() {
+  /// How a download ended.
+  enum Ending {
+    case complete
+    case stopped
+    case failed(UbiqError)
+  }
+
+  /// The ending, once: when nothing is in flight and every chunk is here, or the download
+  /// stopped or failed. Nil while it goes on (or idles between reads) and after it was returned.
+  func ending() -> Ending? {
+    cond.withLock {
+      guard !endingStarted, inFlight.isEmpty else { return nil }
+      let result: Ending
+      if isStopped {
+        result = .stopped
+      } else if let failure {
+        result = .failed(failure)
+      } else if doneCount == chunks.count {
+        result = .complete
+      } else {
+        return nil
+      }
+      endingStarted = true
+      return result
+    }
+  }
+
+  /// Stops the download for good. Returns once no chunk can be written into the cache file any
+  /// more.
+  func stop() {
     writeLock.withLock {
       cond.withLock {
-        isSuperseded = true
+        isStopped = true
         cond.broadcast()
       }
     }
   }
 
-  public var superseded: Bool { cond.withLock { isSuperseded } }
-
-  /// Writes fetched bytes at `offset` of the cache file unless the download was superseded.
-  /// Returns false if it was (nothing written).
+  /// Writes fetched bytes at `offset` of the cache file unless the download stopped. Returns
+  /// false if it did (nothing written).
   func writeChunk(_ data: Data, at offset: Int64) throws -> Bool {
     try writeLock.withLock {
-      if superseded { return false }
+      if stopped { return false }
       try data.withUnsafeBytes { raw in
-        var done = 0
-        while done < raw.count {
-          let n = pwrite(fd, raw.baseAddress! + done, raw.count - done, off_t(offset) + off_t(done))
+        var written = 0
+        while written < raw.count {
+          let n = pwrite(fd, raw.baseAddress! + written, raw.count - written, off_t(offset) + off_t(written))
           if n < 0 && errno == EINTR { continue }
-          if n <= 0 { throw UbiqError.io("writing the cache: \(String(cString: strerror(errno)))") }
-          done += n
+          if n <= 0 { throw UbiqError.posix(errno, "writing the cache") }
+          written += n
         }
       }
       return true
@@ -173,21 +328,24 @@ public final class ContentStream: @unchecked Sendable {
       cond.broadcast()
     }
   }
-  public var failed: UbiqError? { cond.withLock { failure } }
 }
 
 /// Brings evicted ("dataless") content into the cache by streaming it from the cloud: fetches
 /// chunks in parallel, verifies each SHA-256, writes them into the cache file in place and
-/// marks the file cached once all arrived (so a crash mid-download just downloads again).
-/// Concurrent readers of one inode share one `ContentStream`.
+/// marks the file cached once all arrived and are durable (so a crash mid-download just
+/// downloads again). Owns the running downloads (one `ContentStream` per inode, shared by its
+/// readers), the last failure of each inode and the count of bytes fetched, guarded by `lock`.
+/// Waits never hold a lock other inodes need; fetches run as tasks, never on the callers'
+/// threads.
 public final class Downloader: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache
   let cloud: CloudService
+  let coordinator: WriteCoordinator
   let log: Logger
   /// Concurrent chunk fetches per file.
   public var parallelism = 4
-  /// How long a reader waits without progress before failing (cloud unreachable).
+  /// How long a reader waits without any chunk arriving before failing (cloud unreachable).
   public var stallTimeoutNs: UInt64 = 15_000_000_000
   /// Optional bandwidth cap for downloads.
   public var limiter: RateLimiter?
@@ -196,11 +354,16 @@ public final class Downloader: @unchecked Sendable {
   private let lock = NSLock()
   private var streams: [Int64: ContentStream] = [:]
   private var failures: [Int64: String] = [:]
+  private var fetched: Int64 = 0
+  private var fetching = 0
 
-  public init(index: IndexStore, cache: ContentCache, cloud: CloudService, logger: Logger) {
+  public init(
+    index: IndexStore, cache: ContentCache, cloud: CloudService, coordinator: WriteCoordinator, logger: Logger
+  ) {
     self.index = index
     self.cache = cache
     self.cloud = cloud
+    self.coordinator = coordinator
     self.log = logger
   }
 
@@ -208,115 +371,175 @@ public final class Downloader: @unchecked Sendable {
   public func lastError(_ inode: Int64) -> String? { lock.withLock { failures[inode] } }
   public func isDownloading(_ inode: Int64) -> Bool { lock.withLock { streams[inode] != nil } }
   public func percent(_ inode: Int64) -> Int? { lock.withLock { streams[inode] }?.percent }
+  /// Bytes of content fetched from the cloud since the mount.
+  public var bytesFetched: Int64 { lock.withLock { fetched } }
+  /// Chunk fetches running now, over all files.
+  public var activeFetches: Int { lock.withLock { fetching } }
 
   /// The running download of `inode`, started if needed; nil if the content is already cached.
-  public func stream(_ inode: Int64) throws -> ContentStream? {
-    try lock.withLock {
+  /// Starting one fetches nothing yet: readers and whole-file requests say what to fetch.
+  func stream(_ inode: Int64) throws -> ContentStream? {
+    let (s, isNew) = try lock.withLock { () throws -> (ContentStream?, Bool) in
       guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
-      if row.content == .cached { return nil }
-      // A download of an older version (changed remotely meanwhile) finishes on its own.
-      if let s = streams[inode], s.manifest == row.chunks { return s }
+      if row.content == .cached { return (nil, false) }
+      // A download of an older version (changed remotely meanwhile) serves its own readers.
+      if let s = streams[inode], s.manifest == row.chunks { return (s, false) }
       let fd = Glibc.open(cache.path(inode), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
-      guard fd >= 0 else { throw UbiqError.io("cannot create the cache file of \(row.name)") }
+      guard fd >= 0 else { throw UbiqError.posix(errno, "creating the cache file of \(row.name)") }
+      // The file gets its final size at once; if that fails, each chunk's write extends it.
       _ = ftruncate(fd, off_t(row.size))
       let s = ContentStream(inode: inode, manifest: row.chunks, size: row.size, chunks: row.chunkList, fd: fd)
       streams[inode] = s
       failures[inode] = nil
-      Task.detached { [self] in await self.run(s, name: row.name) }
-      return s
+      return (s, true)
     }
+    // A file without chunks (empty) is complete at once.
+    if let s, isNew { schedule(s) }
+    return s
   }
 
-  /// The file's content was replaced locally (truncated): a running download of the previous
-  /// version stops before this returns, and never marks the file cached.
-  public func supersede(_ inode: Int64) {
-    guard let s = lock.withLock({ streams.removeValue(forKey: inode) }) else { return }
-    s.supersede()
+  /// The download an open handle reads evicted content through; nil if the content is cached.
+  /// The handle must give it back with `closeReader` when it closes.
+  public func openReader(_ inode: Int64) throws -> ContentStream? {
+    guard let s = try stream(inode) else { return nil }
+    s.addUser()
+    return s
   }
 
-  /// Blocks until the content of `inode` is cached (writable opens, pinning, `download`).
-  public func ensureCached(_ inode: Int64) throws {
-    for _ in 0..<3 {
-      guard let s = try stream(inode) else { return }
-      try s.waitForAll(timeoutNs: stallTimeoutNs)
-      // Wait for the index to record it (or learn it changed remotely meanwhile).
-      while !s.finished { usleep(1000) }
-      if let row = try index.item(inode), row.content == .cached { return }
-    }
-    throw UbiqError.busy("the item keeps changing remotely; try again")
-  }
-
-  func run(_ s: ContentStream, name: String) async {
-    // The first chunk goes alone: a reader is usually waiting for it (time to first byte), and
-    // prefetches in parallel would compete with it for the disk or the link.
-    if let first = s.nextChunk() { await fetchAndRecord(s, first) }
-    await withTaskGroup(of: Void.self) { group in
-      for _ in 0..<max(1, parallelism) {
-        group.addTask { [self] in
-          while s.failed == nil, let i = s.nextChunk() { await fetchAndRecord(s, i) }
-        }
+  /// A handle reading through `s` closed. When it was the last one and nothing else wants the
+  /// rest of the file, the download stops and its partial cache file goes. Runs under the
+  /// inode lock (cache file names change only under it).
+  public func closeReader(_ s: ContentStream) {
+    guard s.removeUser() else { return }
+    lock.withLock {
+      s.stop()
+      // The cache file goes unless it belongs to a newer download (or to content written
+      // since): the item is still evicted, and a later open downloads into a new file.
+      if streams[s.inode] === s {
+        streams[s.inode] = nil
+        cache.remove(s.inode)
       }
     }
-    // The bytes and the cache file's name are durable before the index says cached, so a power
-    // loss never leaves an index that describes content its cache file lost.
-    var durable = s.superseded || s.failed != nil
-    if !durable {
+    schedule(s)
+  }
+
+  /// Waits until [offset, offset+length) of the file is in its cache file, fetching ahead up to
+  /// `fetchAheadTo` meanwhile.
+  public func waitForRange(
+    _ s: ContentStream, _ offset: Int64, _ length: Int, fetchAheadTo: Int64, interruption: Interruption? = nil
+  ) throws {
+    if s.request(offset, length, fetchAheadTo: fetchAheadTo) { schedule(s) }
+    try s.waitForRange(offset, length, stallTimeoutNs: stallTimeoutNs, interruption: interruption)
+  }
+
+  /// The file's content was replaced locally (truncated) or the item went away: a running
+  /// download of the previous version stops before this returns, and never marks the file
+  /// cached.
+  public func supersede(_ inode: Int64) {
+    guard let s = lock.withLock({ streams.removeValue(forKey: inode) }) else { return }
+    s.stop()
+    schedule(s)
+  }
+
+  /// Blocks until the content of `inode` is cached (writable opens, pinning, `download`), or
+  /// the download failed, stalled or the caller was interrupted. Holds no lock while it waits.
+  public func ensureCached(_ inode: Int64, interruption: Interruption? = nil) throws {
+    for _ in 0..<3 {
+      guard let s = try stream(inode) else { return }
+      s.requestWholeFile()
+      schedule(s)
+      try s.waitForRange(
+        0, Int(clamping: max(1, s.size)), stallTimeoutNs: stallTimeoutNs, interruption: interruption)
+      // A stopped download (replaced locally, or remotely meanwhile) is looked at again.
+      if let row = try index.item(inode), row.content == .cached { return }
+    }
+    throw UbiqError.busy("the item keeps changing; try again")
+  }
+
+  /// Starts the fetches `s` can run now, or ends it when nothing more will arrive.
+  private func schedule(_ s: ContentStream) {
+    for i in s.startableChunks(parallelism: parallelism) {
+      lock.withLock { fetching += 1 }
+      Task.detached { [self] in
+        await fetchAndRecord(s, i)
+        lock.withLock { fetching -= 1 }
+        schedule(s)
+      }
+    }
+    if let ending = s.ending() {
+      Task.detached { [self] in await finish(s, ending) }
+    }
+  }
+
+  /// Ends a download: the bytes and the cache file's name are durable before the index says
+  /// cached, so a power loss never leaves an index that describes content its cache file lost.
+  private func finish(_ s: ContentStream, _ ending: ContentStream.Ending) async {
+    var ending = ending
+    if case .complete = ending {
       if fdatasync(s.fd) != 0 {
-        s.fail(UbiqError.posix(errno, "fdatasync of the cache file"))
-      } else {
-        durable = (try? ContentCache.fsyncDirectory(cache.directory)) != nil
-        if !durable { s.fail(UbiqError.io("fsync of the cache folder failed")) }
+        ending = .failed(UbiqError.posix(errno, "fdatasync of the cache file"))
+      } else if (try? ContentCache.fsyncDirectory(cache.directory)) == nil {
+        ending = .failed(UbiqError.io("fsync of the cache folder failed"))
       }
     }
     close(s.fd)
-    var ok = false
-    if s.superseded {
-      log.debug("download of \(name) stopped: the file was replaced locally")
-    } else if let e = s.failed {
+    let name = (try? index.item(s.inode))?.name ?? "inode \(s.inode)"
+    switch ending {
+    case .stopped:
+      log.debug("download of \(name) stopped")
+    case .failed(let e):
       log.warning("download of \(name) failed: \(e)")
+      s.giveUp(-1, e)
       lock.withLock { failures[s.inode] = e.description }
-    } else if lock.withLock({ streams[s.inode] === s }) {
-      // Only the inode's current stream may complete it: an older one of the same manifest
-      // (a revert while it ran) did not fill the cache file the index now points at.
-      ok = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
+    case .complete:
+      // A content transition: under the inode lock, so an eviction or an open sees the file
+      // either downloading or cached. Only the inode's current stream may complete it: an
+      // older one of the same manifest (a revert while it ran) did not fill the cache file the
+      // index now points at.
+      let ok = coordinator.withInodeLock(s.inode) { () -> Bool in
+        guard lock.withLock({ streams[s.inode] === s }) else { return false }
+        let marked = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
+        lock.withLock { streams[s.inode] = nil }
+        return marked
+      }
       if ok {
         log.debug("downloaded \(name) (\(s.size) bytes)")
         onCached(s.inode)
+      } else {
+        log.info("\(name) changed while downloading; the next read fetches the current version")
       }
     }
-    s.markFinished()
     lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } }
-    if !ok && s.failed == nil {
-      log.info("\(name) changed remotely while downloading; next read fetches the new version")
-    }
+    s.markFinished()
   }
 
   /// Fetches chunk `i` and marks it done, or fails the stream.
   func fetchAndRecord(_ s: ContentStream, _ i: Int) async {
     do {
-      try await fetch(s, i)
-      s.complete(i)
+      if try await fetch(s, i) { s.complete(i) } else { s.drop(i) }
     } catch let e as UbiqError {
-      s.fail(e)
+      s.giveUp(i, e)
     } catch {
-      s.fail(.io("\(error)"))
+      s.giveUp(i, .io("\(error)"))
     }
   }
 
-  /// Fetches one chunk, retrying transient failures until `stallTimeoutNs` has passed.
-  func fetch(_ s: ContentStream, _ i: Int) async throws {
+  /// Fetches one chunk into the cache file, retrying transient failures until `stallTimeoutNs`
+  /// has passed. Returns false if the download stopped first (nothing written).
+  func fetch(_ s: ContentStream, _ i: Int) async throws -> Bool {
     let chunk = s.chunks[i]
     let start = Clock.monotonicNs()
     var delay: UInt64 = 100_000_000
     while true {
+      if s.stopped { return false }
       do {
-        await limiter?.acquire(Int(chunk.length))
+        await limiter?.acquire(Int(clamping: chunk.length))
         let data = try await cloud.getChunk(hash: chunk.hash, range: nil)
+        lock.withLock { fetched &+= Int64(data.count) }
         guard Int64(data.count) == chunk.length, Chunker.sha256Hex(data) == chunk.hash else {
           throw UbiqError.io("downloaded chunk \(chunk.hash.prefix(12)) does not match its hash")
         }
-        _ = try s.writeChunk(data, at: s.offsets[i])
-        return
+        return try s.writeChunk(data, at: s.offsets[i])
       } catch let e as CloudError {
         switch e {
         case .unavailable:
@@ -332,229 +555,5 @@ public final class Downloader: @unchecked Sendable {
         }
       }
     }
-  }
-}
-
-/// Applies the cloud's change feed to the index: at mount (before the kernel sees anything) and
-/// then every `interval`. Items with local changes, or open for writing, are left alone.
-public final class ChangePuller: @unchecked Sendable {
-  let index: IndexStore
-  let cache: ContentCache
-  let cloud: CloudService
-  let container: ContainerID
-  let coordinator: WriteCoordinator
-  let uid: UInt32
-  let gid: UInt32
-  let log: Logger
-  /// Called with what changed, to drop cache files and invalidate kernel caches.
-  public var onApplied: ([RemoteApplyResult]) -> Void = { _ in }
-  /// Called when a pull succeeds after failures (the cloud came back).
-  public var onRecovered: () -> Void = {}
-  /// Called under the inode lock when a remote version replaced an item's cached content.
-  public var onContentReplaced: (Int64) -> Void = { _ in }
-  private var task: Task<Void, Never>?
-  private let lock = NSLock()
-  private var stopped = false
-  /// The wait for the next change in progress, cancelled by `wake`.
-  private var waiting: Task<Bool, Error>?
-  private var wakeRequested = false
-
-  public init(
-    index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator,
-    uid: UInt32, gid: UInt32, logger: Logger
-  ) {
-    self.index = index
-    self.cache = cache
-    self.cloud = cloud
-    self.container = container
-    self.coordinator = coordinator
-    self.uid = uid
-    self.gid = gid
-    self.log = logger
-  }
-
-  /// Fetches and applies every change since the stored token. Returns the results.
-  @discardableResult
-  public func pullOnce() async throws -> [RemoteApplyResult] {
-    var token = try index.changeToken()
-    var all: [RemoteApplyResult] = []
-    var deferred: [CloudItem] = []
-    while true {
-      let batch = try await cloud.changes(container, since: token, limit: 500)
-      for item in batch.items {
-        let r = try apply(item, collisions: .deferUnchangedHolders)
-        if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
-      }
-      // Parents may come later in the feed than their children (moves), and the item holding a
-      // name may be moving away later in the feed (exchanges): retry the deferred while that
-      // makes progress. Then items that hold each other's names (a swap) step aside for each
-      // other, and any other collision is settled by the naming rule.
-      for final in [false, true] {
-        // Only items whose record can be applied now (its parent is here) may step aside.
-        let movable = try deferred.filter { try $0.parentID.flatMap { try index.item(itemID: $0) } != nil }
-        let policy: IndexStore.NameCollisionPolicy =
-          final ? .moveAsideHolders(Set(movable.map(\.itemID))) : .deferUnchangedHolders
-        var progress = true
-        while progress && !deferred.isEmpty {
-          progress = false
-          var still: [CloudItem] = []
-          for item in deferred {
-            let r = try apply(item, collisions: policy)
-            if r.outcome == .deferred {
-              still.append(item)
-            } else {
-              all.append(r)
-              progress = true
-            }
-          }
-          deferred = still
-        }
-      }
-      token = batch.token
-      if !batch.hasMore {
-        // Records whose folder is not here (not in the cloud either, or a change of this device
-        // keeps it away) are held, not left in front of the token: the feed moves on, every later
-        // pull retries them, and `ubiqfs status` counts them.
-        for item in deferred { try index.holdRemote(item) }
-        try index.setChangeToken(token)
-        break
-      }
-      // Mid-feed, the token stays before the first record still waiting for its parent, which
-      // may come on a later page.
-      let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
-      try index.setChangeToken(safe)
-    }
-    // Held records, after the feed: those a newer record superseded are gone, and a record
-    // whose folder this pull brought, or whose item's local changes are done, applies now.
-    all += try applyHeld()
-    if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
-    let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
-    if !effective.isEmpty { onApplied(effective) }
-    return effective
-  }
-
-  /// Applies the records held back earlier because their items had local changes, in change
-  /// order, while that makes progress. A record still blocked (local changes, or its parent is
-  /// not here yet) stays held.
-  func applyHeld() throws -> [RemoteApplyResult] {
-    var held = try index.heldRemote()
-    var results: [RemoteApplyResult] = []
-    var progress = true
-    while progress && !held.isEmpty {
-      progress = false
-      var still: [CloudItem] = []
-      for item in held {
-        // Applied (or found stale), the record releases itself (IndexStore.applyRemote).
-        let r = try apply(item, collisions: .settle, holding: false)
-        if r.outcome == .deferred || r.outcome == .locallyModified {
-          still.append(item)
-        } else {
-          results.append(r)
-          progress = true
-        }
-      }
-      held = still
-    }
-    return results
-  }
-
-  /// Applies one record. `holding`: a record the item's local changes block is kept (see
-  /// `IndexStore.holdRemote`) and applied by a later pull, once they are done.
-  func apply(
-    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
-  ) throws -> RemoteApplyResult {
-    guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
-      return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
-    }
-    // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
-    // transaction).
-    if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
-    return try coordinator.withInodeLock(inode) {
-      if coordinator.isBusy(inode) {
-        if holding { try index.holdRemote(item) }
-        return RemoteApplyResult(outcome: .locallyModified, inode: inode)
-      }
-      let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
-      // The old bytes go now, under the inode lock: an open after this point downloads the new
-      // version, and its download must not be removed by a late clean-up. Open readers keep the
-      // old bytes through their descriptors.
-      if result.outcome == .updated(contentChanged: true) {
-        cache.remove(inode)
-        onContentReplaced(inode)
-      }
-      return result
-    }
-  }
-
-  /// Pulls, then waits on the cloud's push channel (long-poll of up to 25 s) for the next
-  /// change; `retryNs` is the pause after a failure (cloud unreachable).
-  public func start(retryNs: UInt64) {
-    task = Task.detached { [self] in
-      var failing = false
-      while !lock.withLock({ stopped }) {
-        do {
-          try await pullOnce()
-          if failing {
-            // The cloud is back: queued work should not sit out its backoff.
-            failing = false
-            log.info("cloud reachable again")
-            onRecovered()
-          }
-          try await waitForChanges()
-        } catch is CancellationError {
-          return
-        } catch {
-          if Task.isCancelled { return }
-          failing = true
-          log.warning("pull failed: \(error)")
-          try? await Task.sleep(nanoseconds: retryNs)
-        }
-      }
-    }
-  }
-
-  /// Waits for the cloud's next change (long-poll of up to 25 s), or until `wake`.
-  private func waitForChanges() async throws {
-    let since = try index.changeToken()
-    let wait = Task { [cloud, container] in try await cloud.waitForChanges(container, since: since, timeoutMs: 25_000) }
-    let woken = lock.withLock {
-      if wakeRequested || stopped { return true }
-      waiting = wait
-      return false
-    }
-    var failure: Error? = nil
-    if woken {
-      wait.cancel()
-    } else {
-      do { _ = try await wait.value } catch { failure = error }
-    }
-    let interrupted = lock.withLock {
-      defer {
-        waiting = nil
-        wakeRequested = false
-      }
-      return wakeRequested || stopped
-    }
-    try Task.checkCancellation()
-    // A failed long-poll that `wake` or `stop` did not cancel goes to the caller's retry pause.
-    if let failure, !interrupted { throw failure }
-  }
-
-  /// Pulls now instead of waiting for the cloud's next change: something was held back or
-  /// refused that the next pull settles.
-  public func wake() {
-    lock.withLock {
-      wakeRequested = true
-      waiting?.cancel()
-    }
-  }
-
-  public func stop() async {
-    lock.withLock {
-      stopped = true
-      waiting?.cancel()
-    }
-    task?.cancel()
-    await task?.value
   }
 }

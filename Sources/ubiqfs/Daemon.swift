@@ -87,7 +87,7 @@ final class Daemon {
       onQueued: { worker.kick() })
     // Writes a crash left unrecorded become a local revision before remote changes are applied.
     try fs.recoverUnrecordedWrites()
-    let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, coordinator: coordinator, logger: log)
     if downloadLimitBytes > 0 { downloader.limiter = RateLimiter(bytesPerSecond: downloadLimitBytes) }
     fs.downloader = downloader
     downloader.onCached = { [weak fs] inode in fs?.attributesChanged(inode) }

@@ -78,7 +78,7 @@ final class CoreWorld: @unchecked Sendable {
       index: index, cache: cache, coordinator: coordinator, container: container, options: MountOptions(),
       logger: log, onQueued: {})
     try core.recoverUnrecordedWrites()
-    let downloader = Downloader(index: index, cache: cache, cloud: cloud, logger: log)
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, coordinator: coordinator, logger: log)
     downloader.stallTimeoutNs = 5_000_000_000
     core.downloader = downloader
     worker = UploadWorker(

@@ -99,8 +99,16 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
   func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
+  /// While set, every chunk download fails as if the cloud were unreachable.
+  var chunkReadsFail: Bool {
+    get { lock.withLock { chunkReadsFailing } }
+    set { lock.withLock { chunkReadsFailing = newValue } }
+  }
+  private var chunkReadsFailing = false
+
   func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
-    try await inner.getChunk(hash: hash, range: range)
+    if chunkReadsFail { throw CloudError.unavailable("simulated: chunk read lost") }
+    return try await inner.getChunk(hash: hash, range: range)
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
     try await inner.item(container, itemID: itemID)
@@ -700,6 +708,33 @@ final class SyncSimulation {
         #expect(try w.readFile("f") == v4, "the save made during the commit is current")
         let kept = Set(try w.index.item(try #require(try w.inode("f")))!.conflictList.flatMap { $0.chunks.map(\.hash) })
         #expect(kept.contains(Chunker.sha256Hex(Data("v3 from b, newer\n".utf8))), "b's version is kept")
+      }
+    }
+  }
+
+  @Test func anAtomicSaveOverAFileWhoseUploadIsInFlightStaysCurrent() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try a.writeFile("f", Data("v2, being uploaded\n".utf8))
+      // While v2's commit is sent, the editor saves v3: a temporary file renamed over f.
+      let v3 = Data("v3 saved over f\n".utf8)
+      let saved = OutcomeBox()
+      hooked.beforeWrite = { _ in
+        guard saved.get() == nil else { return }
+        saved.set("saved")
+        try a.writeFile("f.tmp", v3)
+        try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
+      }
+      try a.drainUploads()
+      try a.pull()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try w.readFile("f") == v3, "the last save is current")
+        #expect(try w.index.item(try #require(try w.inode("f")))!.conflictList.isEmpty, "one device, no conflict")
       }
     }
   }

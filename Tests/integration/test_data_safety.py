@@ -138,23 +138,25 @@ def test_truncate_while_downloading_never_lets_old_bytes_in(ubiq, device2, tmp_p
     f.write_bytes(os.urandom(8 * 1024 * 1024))
     ubiq.sync()
     ubiq.run("evict", f)
-    with open(f, "rb") as fh:
-        assert len(fh.read(100)) == 100
-    assert int(Ubiq.xattr(f, "user.ubiq.percent_downloaded")) < 100, "the download finished too early"
-    if how == "echo":
-        with open(f, "w") as fh:
-            fh.write("NEW\n")
-        want = b"NEW\n"
-    elif how == "truncate":
-        os.truncate(f, 0)
-        with open(f, "ab") as fh:
-            fh.write(b"NEW\n")
-        want = b"NEW\n"
-    else:
-        other = tmp_path / "other.bin"
-        other.write_bytes(b"copied over\n" * 1000)
-        subprocess.run(["cp", str(other), str(f)], check=True)
-        want = other.read_bytes()
+    # The reader stays open, so its download (of its read-ahead window) keeps running.
+    with open(f, "rb") as reader:
+        assert len(reader.read(100)) == 100
+        assert Ubiq.xattr(f, "user.ubiq.downloading") == "1"
+        assert int(Ubiq.xattr(f, "user.ubiq.percent_downloaded")) < 100, "the download finished too early"
+        if how == "echo":
+            with open(f, "w") as fh:
+                fh.write("NEW\n")
+            want = b"NEW\n"
+        elif how == "truncate":
+            os.truncate(f, 0)
+            with open(f, "ab") as fh:
+                fh.write(b"NEW\n")
+            want = b"NEW\n"
+        else:
+            other = tmp_path / "other.bin"
+            other.write_bytes(b"copied over\n" * 1000)
+            subprocess.run(["cp", str(other), str(f)], check=True)
+            want = other.read_bytes()
     # Give a download that was not stopped time to write more old chunks (2 MiB/s).
     time.sleep(1.5)
     assert f.read_bytes() == want

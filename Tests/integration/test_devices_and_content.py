@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -249,6 +250,106 @@ def test_cache_budget_evicts_lru_but_never_pinned_open_or_unuploaded(ubiq):
     # Evicted files read back byte-exact.
     for name, data in files.items():
         assert sha256_file(ubiq.docs / name) == sha256(data)
+
+
+def allocated_cache_bytes(ubiq: Ubiq, path: Path) -> int:
+    """Bytes the cache file of a file on the mount occupies on disk (0 if it has none)."""
+    try:
+        return (ubiq.container_dir() / "content" / str(os.stat(path).st_ino)).stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+def test_a_small_read_of_an_evicted_file_downloads_about_one_window(ubiq):
+    """`head -c1`, `file` or a thumbnailer over evicted files fetches the read-ahead window of
+    its first read, not the whole file; the partial download goes with the last close."""
+    files = [ubiq.docs / f"big{i}.bin" for i in range(6)]
+    for f in files:
+        f.write_bytes(os.urandom(8 * 1024 * 1024))
+    ubiq.sync()
+    allowed = {}
+    for f in files:
+        ubiq.run("evict", f)
+        # The chunks a first small read may bring: its own (the kernel reads up to 256 KiB at
+        # the start of a file) and those inside the 1 MiB window after it.
+        offset, allowed[f] = 0, 0
+        for chunk in ubiq.cloud_item_for(f)["chunks"]:
+            if offset < (256 + 1024) * 1024:
+                allowed[f] += chunk["length"]
+            offset += chunk["length"]
+    handles = [open(f, "rb") for f in files]
+    try:
+        for h in handles:
+            assert len(h.read(1)) == 1
+        # A download that were not bounded would go on meanwhile (the embedded cloud gives
+        # hundreds of MiB/s); a bounded one stops after its window.
+        time.sleep(2)
+        for f in files:
+            used = allocated_cache_bytes(ubiq, f)
+            # Each chunk written may round up to whole blocks.
+            assert 0 < used <= allowed[f] + 64 * 1024, f"{f.name}: {used} bytes cached, the window allows {allowed[f]}"
+            assert Ubiq.xattr(f, "user.ubiq.status") == "not_downloaded"
+    finally:
+        for h in handles:
+            h.close()
+    for f in files:
+        wait_for(lambda: allocated_cache_bytes(ubiq, f) == 0, what=f"the partial download of {f.name} to go")
+        assert Ubiq.xattr(f, "user.ubiq.downloading") == "0"
+        assert os.stat(f).st_blocks == 0
+
+
+def test_a_signal_ends_an_open_that_waits_for_a_download(ubiq):
+    """An editor opening a big evicted file for writing waits for its download. A signal (Ctrl-C)
+    ends the wait with EINTR, other files stay usable meanwhile, and the file is unchanged."""
+    ubiq.unmount()
+    ubiq.mount("--download-limit", "1K")
+    f = ubiq.docs / "big.bin"
+    data = os.urandom(4 * 1024 * 1024)
+    f.write_bytes(data)
+    other = ubiq.docs / "other.txt"
+    other.write_text("usable\n")
+    ubiq.sync()
+    ubiq.run("evict", f)
+    opener = subprocess.Popen(
+        [sys.executable, "-c", INTERRUPTED_OPEN, str(f)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert opener.stdout.readline().strip() == "opening"
+        wait_for(lambda: Ubiq.xattr(f, "user.ubiq.downloading") == "1", what="the download to start")
+        assert other.read_text() == "usable\n"
+        with open(other, "a") as fh:
+            fh.write("and writable\n")
+        opener.send_signal(signal.SIGUSR1)
+        # At 1 KiB/s the download takes over an hour: only the signal can end the open now.
+        out, err = opener.communicate(timeout=10)
+    finally:
+        if opener.poll() is None:
+            opener.kill()
+            opener.wait()
+    assert out.strip() == "interrupted", (out, err)
+    assert os.stat(f).st_size == len(data)
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(data)
+    assert other.read_text() == "usable\nand writable\n"
+
+
+# Opens argv[1] for writing; a SIGUSR1 handler raises, which Python lets through only when the
+# open(2) itself returned EINTR.
+INTERRUPTED_OPEN = """
+import os, signal, sys
+class Interrupted(Exception):
+    pass
+def on_signal(*_):
+    raise Interrupted()
+signal.signal(signal.SIGUSR1, on_signal)
+print("opening", flush=True)
+try:
+    os.close(os.open(sys.argv[1], os.O_RDWR))
+    print("opened")
+except Interrupted:
+    print("interrupted")
+except OSError as e:
+    print("error", e.errno)
+"""
 
 
 def test_no_download_programs_get_eacces(ubiq, tmp_path):

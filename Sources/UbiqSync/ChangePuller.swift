@@ -1,0 +1,233 @@
+import Foundation
+import Logging
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Applies the cloud's change feed to the index: at mount (before the kernel sees anything) and
+/// then every `interval`. Items with local changes, or open for writing, are left alone.
+public final class ChangePuller: @unchecked Sendable {
+  let index: IndexStore
+  let cache: ContentCache
+  let cloud: CloudService
+  let container: ContainerID
+  let coordinator: WriteCoordinator
+  let uid: UInt32
+  let gid: UInt32
+  let log: Logger
+  /// Called with what changed, to drop cache files and invalidate kernel caches.
+  public var onApplied: ([RemoteApplyResult]) -> Void = { _ in }
+  /// Called when a pull succeeds after failures (the cloud came back).
+  public var onRecovered: () -> Void = {}
+  /// Called under the inode lock when a remote version replaced an item's cached content.
+  public var onContentReplaced: (Int64) -> Void = { _ in }
+  private var task: Task<Void, Never>?
+  private let lock = NSLock()
+  private var stopped = false
+  /// The wait for the next change in progress, cancelled by `wake`.
+  private var waiting: Task<Bool, Error>?
+  private var wakeRequested = false
+
+  public init(
+    index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator,
+    uid: UInt32, gid: UInt32, logger: Logger
+  ) {
+    self.index = index
+    self.cache = cache
+    self.cloud = cloud
+    self.container = container
+    self.coordinator = coordinator
+    self.uid = uid
+    self.gid = gid
+    self.log = logger
+  }
+
+  /// Fetches and applies every change since the stored token. Returns the results.
+  @discardableResult
+  public func pullOnce() async throws -> [RemoteApplyResult] {
+    var token = try index.changeToken()
+    var all: [RemoteApplyResult] = []
+    var deferred: [CloudItem] = []
+    while true {
+      let batch = try await cloud.changes(container, since: token, limit: 500)
+      for item in batch.items {
+        let r = try apply(item, collisions: .deferUnchangedHolders)
+        if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
+      }
+      // Parents may come later in the feed than their children (moves), and the item holding a
+      // name may be moving away later in the feed (exchanges): retry the deferred while that
+      // makes progress. Then items that hold each other's names (a swap) step aside for each
+      // other, and any other collision is settled by the naming rule.
+      for final in [false, true] {
+        // Only items whose record can be applied now (its parent is here) may step aside.
+        let movable = try deferred.filter { try $0.parentID.flatMap { try index.item(itemID: $0) } != nil }
+        let policy: IndexStore.NameCollisionPolicy =
+          final ? .moveAsideHolders(Set(movable.map(\.itemID))) : .deferUnchangedHolders
+        var progress = true
+        while progress && !deferred.isEmpty {
+          progress = false
+          var still: [CloudItem] = []
+          for item in deferred {
+            let r = try apply(item, collisions: policy)
+            if r.outcome == .deferred {
+              still.append(item)
+            } else {
+              all.append(r)
+              progress = true
+            }
+          }
+          deferred = still
+        }
+      }
+      token = batch.token
+      if !batch.hasMore {
+        // Records whose folder is not here (not in the cloud either, or a change of this device
+        // keeps it away) are held, not left in front of the token: the feed moves on, every later
+        // pull retries them, and `ubiqfs status` counts them.
+        for item in deferred { try index.holdRemote(item) }
+        try index.setChangeToken(token)
+        break
+      }
+      // Mid-feed, the token stays before the first record still waiting for its parent, which
+      // may come on a later page.
+      let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
+      try index.setChangeToken(safe)
+    }
+    // Held records, after the feed: those a newer record superseded are gone, and a record
+    // whose folder this pull brought, or whose item's local changes are done, applies now.
+    all += try applyHeld()
+    if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
+    let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
+    if !effective.isEmpty { onApplied(effective) }
+    return effective
+  }
+
+  /// Applies the records held back earlier because their items had local changes, in change
+  /// order, while that makes progress. A record still blocked (local changes, or its parent is
+  /// not here yet) stays held.
+  func applyHeld() throws -> [RemoteApplyResult] {
+    var held = try index.heldRemote()
+    var results: [RemoteApplyResult] = []
+    var progress = true
+    while progress && !held.isEmpty {
+      progress = false
+      var still: [CloudItem] = []
+      for item in held {
+        // Applied (or found stale), the record releases itself (IndexStore.applyRemote).
+        let r = try apply(item, collisions: .settle, holding: false)
+        if r.outcome == .deferred || r.outcome == .locallyModified {
+          still.append(item)
+        } else {
+          results.append(r)
+          progress = true
+        }
+      }
+      held = still
+    }
+    return results
+  }
+
+  /// Applies one record. `holding`: a record the item's local changes block is kept (see
+  /// `IndexStore.holdRemote`) and applied by a later pull, once they are done.
+  func apply(
+    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
+  ) throws -> RemoteApplyResult {
+    guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
+      return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
+    }
+    // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
+    // transaction).
+    if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
+    return try coordinator.withInodeLock(inode) {
+      if coordinator.isBusy(inode) {
+        if holding { try index.holdRemote(item) }
+        return RemoteApplyResult(outcome: .locallyModified, inode: inode)
+      }
+      let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
+      // The old bytes go now, under the inode lock: an open after this point downloads the new
+      // version, and its download must not be removed by a late clean-up. Open readers keep the
+      // old bytes through their descriptors.
+      if result.outcome == .updated(contentChanged: true) {
+        cache.remove(inode)
+        onContentReplaced(inode)
+      }
+      return result
+    }
+  }
+
+  /// Pulls, then waits on the cloud's push channel (long-poll of up to 25 s) for the next
+  /// change; `retryNs` is the pause after a failure (cloud unreachable).
+  public func start(retryNs: UInt64) {
+    task = Task.detached { [self] in
+      var failing = false
+      while !lock.withLock({ stopped }) {
+        do {
+          try await pullOnce()
+          if failing {
+            // The cloud is back: queued work should not sit out its backoff.
+            failing = false
+            log.info("cloud reachable again")
+            onRecovered()
+          }
+          try await waitForChanges()
+        } catch is CancellationError {
+          return
+        } catch {
+          if Task.isCancelled { return }
+          failing = true
+          log.warning("pull failed: \(error)")
+          try? await Task.sleep(nanoseconds: retryNs)
+        }
+      }
+    }
+  }
+
+  /// Waits for the cloud's next change (long-poll of up to 25 s), or until `wake`.
+  private func waitForChanges() async throws {
+    let since = try index.changeToken()
+    let wait = Task { [cloud, container] in try await cloud.waitForChanges(container, since: since, timeoutMs: 25_000) }
+    let woken = lock.withLock {
+      if wakeRequested || stopped { return true }
+      waiting = wait
+      return false
+    }
+    var failure: Error? = nil
+    if woken {
+      wait.cancel()
+    } else {
+      do { _ = try await wait.value } catch { failure = error }
+    }
+    let interrupted = lock.withLock {
+      defer {
+        waiting = nil
+        wakeRequested = false
+      }
+      return wakeRequested || stopped
+    }
+    try Task.checkCancellation()
+    // A failed long-poll that `wake` or `stop` did not cancel goes to the caller's retry pause.
+    if let failure, !interrupted { throw failure }
+  }
+
+  /// Pulls now instead of waiting for the cloud's next change: something was held back or
+  /// refused that the next pull settles.
+  public func wake() {
+    lock.withLock {
+      wakeRequested = true
+      waiting?.cancel()
+    }
+  }
+
+  public func stop() async {
+    lock.withLock {
+      stopped = true
+      waiting?.cancel()
+    }
+    task?.cancel()
+    await task?.value
+  }
+}

@@ -1,0 +1,175 @@
+import Foundation
+import Testing
+import UbiqCloud
+import UbiqCore
+import UbiqIndex
+
+@testable import UbiqFSCore
+@testable import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// Downloads of evicted content through the core, device B reading what device A uploaded:
+/// bounded read-ahead, cancellation at the last close, interruptible waits that hold no lock
+/// other inodes need.
+@Suite(.serialized) struct DownloaderTests {
+  /// Incompressible bytes, so chunk boundaries fall as in real files.
+  static func noise(_ count: Int, seed: UInt64) -> Data {
+    var x = seed &* 0x9E37_79B9_7F4A_7C15 | 1
+    var words = [UInt64](repeating: 0, count: (count + 7) / 8)
+    for i in words.indices {
+      x ^= x << 13
+      x ^= x >> 7
+      x ^= x << 17
+      words[i] = x
+    }
+    return words.withUnsafeBytes { Data($0.prefix(count)) }
+  }
+
+  /// Waits (up to 30 s) until `condition` holds.
+  static func waitUntil(_ what: String, _ condition: () throws -> Bool) throws {
+    let deadline = Date().addingTimeInterval(30)
+    while try !condition() {
+      if Date() > deadline { throw UbiqError.busy("timed out waiting until \(what)") }
+      usleep(5_000)
+    }
+  }
+
+  /// A with files uploaded, and B (over `cloud`, wrapping A's) with them evicted.
+  static func evictedOnB(_ files: [String: Data]) throws -> (a: CoreWorld, b: CoreWorld, cloud: FlakyCloud) {
+    let a = try CoreWorld()
+    for (name, data) in files { try a.writeFile(name, data) }
+    try a.drainUploads()
+    guard let engine = a.cloud as? CloudEngine else { throw UbiqError.io("the embedded cloud") }
+    let cloud = FlakyCloud(engine)
+    let b = try CoreWorld(cloud: cloud)
+    try b.pull()
+    for name in files.keys { #expect(try b.index.item(try b.inode(name)!)!.content == .dataless) }
+    return (a, b, cloud)
+  }
+
+  @Test func aSmallReadOfEachEvictedFileFetchesAboutOneWindow() async throws {
+    try await onOwnThread {
+      let count = 6
+      let size = 8 << 20
+      var files: [String: Data] = [:]
+      for i in 0..<count { files["f\(i)"] = Self.noise(size, seed: UInt64(i + 1)) }
+      let (a, b, _) = try Self.evictedOnB(files)
+      defer { withExtendedLifetime(a) {} }
+      var allowed: Int64 = 0
+      var handles: [UInt64] = []
+      for i in 0..<count {
+        let inode = try b.inode("f\(i)")!
+        let row = try b.index.item(inode)!
+        let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+        handles.append(h)
+        #expect(try b.core.read(h, offset: 0, size: 4096) == files["f\(i)"]!.prefix(4096))
+        // The read-ahead window of a first read: the chunks that overlap its 4 KiB plus 1 MiB.
+        var offset: Int64 = 0
+        for chunk in row.chunkList {
+          if offset < 4096 + (1 << 20) { allowed += chunk.length }
+          offset += chunk.length
+        }
+      }
+      // With every handle still open, the downloads fetch their windows and then idle.
+      try Self.waitUntil("no chunk is being fetched") { b.downloader.activeFetches == 0 }
+      let fetched = b.downloader.bytesFetched
+      #expect(
+        fetched > 0 && fetched <= allowed, "fetched \(fetched) bytes; the windows allow \(allowed) of \(count * size)")
+      for h in handles { b.core.release(h) }
+      for i in 0..<count {
+        let inode = try b.inode("f\(i)")!
+        // The download stopped with the last close, and its partial cache file went with it.
+        #expect(!b.downloader.isDownloading(inode))
+        #expect(!b.core.cache.exists(inode))
+        #expect(try b.index.item(inode)!.content == .dataless)
+      }
+    }
+  }
+
+  @Test func aSequentialReadFetchesEachChunkOnceAndLeavesTheFileCached() async throws {
+    try await onOwnThread {
+      let data = Self.noise(9 << 20, seed: 42)
+      let (a, b, _) = try Self.evictedOnB(["big": data])
+      defer { withExtendedLifetime(a) {} }
+      let inode = try b.inode("big")!
+      let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      var read = Data()
+      while read.count < data.count {
+        read += try b.core.read(h, offset: Int64(read.count), size: min(128 << 10, data.count - read.count))
+      }
+      b.core.release(h)
+      #expect(read == data)
+      #expect(try b.index.item(inode)!.content == .cached)
+      #expect(b.downloader.bytesFetched == Int64(data.count))
+    }
+  }
+
+  @Test func aFileReadWholeCanBeEvictedRightAfterItsLastClose() async throws {
+    try await onOwnThread {
+      let data = Data("small and quickly downloaded\n".utf8)
+      let (a, b, _) = try Self.evictedOnB(["f": data])
+      defer { withExtendedLifetime(a) {} }
+      let inode = try b.inode("f")!
+      // The download's completion is a content transition under the inode lock: an eviction
+      // after the read sees the file cached (evicts it) or still evicted (nothing to do), never
+      // a download in progress (EBUSY).
+      for _ in 0..<200 {
+        #expect(try b.readFile("f") == data)
+        try b.core.evict(inode)
+        try Self.waitUntil("the download ended") { !b.downloader.isDownloading(inode) }
+        try b.core.evict(inode)
+        #expect(try b.index.item(inode)!.content == .dataless)
+      }
+    }
+  }
+
+  @Test func aWriterWaitingForADownloadIsInterruptedAndBlocksNoOtherFile() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try Self.evictedOnB(["evicted": Self.noise(2 << 20, seed: 7)])
+      defer { withExtendedLifetime(a) {} }
+      cloud.chunkReadsFail = true
+      b.downloader.stallTimeoutNs = 120_000_000_000
+      let inode = try b.inode("evicted")!
+      // A local file whose inode shares the evicted file's lock stripe.
+      var neighbour: Int64 = -1
+      for k in 0..<130 where neighbour < 0 {
+        let other = try b.writeFile("n\(k)", Data("local \(k)\n".utf8))
+        if other % 64 == inode % 64 { neighbour = other }
+      }
+      #expect(neighbour >= 0)
+      try b.drainUploads()
+
+      let interruption = Interruption()
+      let outcome = OutcomeBox()
+      let writer = Thread {
+        do {
+          _ = try b.core.open(inode, flags: O_RDWR, caller: .current, interruption: interruption)
+          outcome.set("opened")
+        } catch {
+          outcome.set("\(error)")
+        }
+      }
+      writer.start()
+      try Self.waitUntil("the writer's download runs") { b.downloader.isDownloading(inode) }
+      // The writer waits for content the cloud does not send; other files go on meanwhile.
+      let h = try b.core.open(neighbour, flags: O_RDWR, caller: .current).handle
+      b.core.release(h)
+      try b.core.evict(neighbour)
+      #expect(outcome.get() == nil, "the writer's open ended before it was interrupted")
+      interruption.interrupt()
+      try Self.waitUntil("the writer's open returns") { outcome.get() != nil }
+      #expect(outcome.get() == "\(UbiqError.interrupted("waiting for content from the cloud"))")
+    }
+  }
+}
+
+/// A result handed from one thread to another.
+final class OutcomeBox: @unchecked Sendable {
+  private let lock = NSLock()
+  private var value: String?
+  func set(_ v: String) { lock.withLock { value = v } }
+  func get() -> String? { lock.withLock { value } }
+}
