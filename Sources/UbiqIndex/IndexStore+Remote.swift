@@ -42,7 +42,7 @@ extension IndexStore {
   ) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
     return try pool.write { db in
-      let result = try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions)
+      let result = try Self.asRemote(db) { try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions) }
       switch result.outcome {
       case .locallyModified:
         if holding { try Self.holdRemote(db, r) }

@@ -91,6 +91,9 @@ public final class IndexStore: @unchecked Sendable {
             item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE, revision INTEGER NOT NULL)
           """)
     }
+    // The change log `ubiqfs watch` follows: written by triggers in the transaction of each
+    // change (so nothing is missed or reported twice), the latest 10,000 to 11,000 kept.
+    m.registerMigration("v7-events") { db in try db.execute(sql: ChangeEvent.schema) }
     return m
   }
 
