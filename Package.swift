@@ -134,5 +134,5 @@ let package = Package(
         .product(name: "Logging", package: "swift-log"),
       ]),
   ],
-  swiftLanguageModes: [.v5]
+  swiftLanguageModes: [.v6]
 )

@@ -5,6 +5,7 @@ import UbiqCore
 /// identifiers and numbers, tree invariants) over a metadata store and a blob store, for one
 /// account. Used in-process as the embedded
 /// default cloud and by `ubiqfs serve`.
+/// Sendable: `kvLimits` is set before use; the stores guard their own state.
 public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendable {
   public let account: String
   let metadata: MetadataStore

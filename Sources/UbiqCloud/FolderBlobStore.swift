@@ -7,6 +7,7 @@ import UbiqCore
 
 /// Chunks as files: `<root>/<account>/<first two hex digits>/<hash>`, written to a temporary
 /// file, fsynced and renamed into place so a crash never leaves a torn chunk.
+/// Sendable: immutable; concurrent writers of one chunk each use their own temporary file.
 public final class FolderBlobStore: BlobStore, @unchecked Sendable {
   let root: URL
 

@@ -5,6 +5,7 @@ import UbiqCore
 /// The embedded cloud's metadata: accounts and their tokens, containers, item records (JSON)
 /// with their change sequence, chunk bookkeeping, the key-value store. SQLite in WAL mode;
 /// safe for several processes at once.
+/// Sendable: nothing mutable besides the database, whose pool serializes access.
 public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable {
   let pool: DatabasePool
   static let encoder = JSONEncoder()

@@ -9,6 +9,7 @@ import UbiqCore
 /// PostgreSQL, so any number of `ubiqfs serve` processes can share one database. Commits lock
 /// the container row (`SELECT ... FOR UPDATE`), which makes each container's change sequence
 /// gap-free and committed in order; quota charges lock the account row.
+/// Sendable: immutable after init; the PostgreSQL client pool is thread-safe.
 public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendable {
   /// Run this (it is a ServiceLifecycle service) for as long as the store is used.
   public let client: PostgresClient
@@ -255,7 +256,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   // MARK: MetadataStore
 
   public func ensureAccount(_ account: String) async throws {
-    try await read { conn in
+    _ = try await read { conn in
       try await conn.query(
         "INSERT INTO accounts(name) VALUES (\(account)) ON CONFLICT (name) DO NOTHING", logger: log)
     }

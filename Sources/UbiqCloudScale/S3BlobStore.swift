@@ -64,6 +64,7 @@ public struct S3Endpoint: Sendable, Equatable {
 /// the endpoint's base path, every request SigV4-signed with the chunk's SHA-256 as the
 /// payload hash. Requests that fail with 500, 502, 503 (SlowDown), 504, a timeout or a
 /// connection error are tried again as `config.retry` says.
+/// Sendable: immutable after init; requests share nothing but the thread-safe HTTP client.
 public final class S3BlobStore: BlobStore, @unchecked Sendable {
   let config: S3Config
   let signer: SigV4Signer

@@ -12,6 +12,7 @@ import UbiqIndex
 /// The FUSE low-level callbacks of one mount, over a `FilesystemCore`: decodes the kernel's
 /// arguments, calls the core, and replies exactly once (the result, or the error's errno).
 /// Owns nothing but the conversion between C and the core's types.
+/// Sendable: holds only immutable references.
 final class FuseAdapter: @unchecked Sendable {
   let core: FilesystemCore
   let log: Logger

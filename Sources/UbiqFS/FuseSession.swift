@@ -11,6 +11,7 @@ import UbiqFSCore
 /// Owns one libfuse low-level session: builds the operation table that forwards to a
 /// `FuseAdapter` over the filesystem core, mounts, runs the multithreaded loop and unmounts,
 /// and carries the core's invalidations to the kernel.
+/// Sendable: `session` and `unmounted` are guarded by `lock`.
 public final class FuseSession: @unchecked Sendable {
   let fs: FuseAdapter
   let core: FilesystemCore

@@ -20,6 +20,8 @@ import UbiqSync
 /// orders content transitions), `Downloader` (running downloads), `PageCacheEpochs`; the index
 /// serializes its own writes. Content transitions of one inode (open, truncate, first write,
 /// flush, evict, remote replacement, download completion) run under that inode's lock.
+/// Sendable: the callbacks and `downloader` are set before the mount starts; `forgotten` is guarded by
+/// `forgottenLock`.
 public final class FilesystemCore: @unchecked Sendable {
   public let index: IndexStore
   public let cache: ContentCache

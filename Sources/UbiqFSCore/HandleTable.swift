@@ -92,6 +92,7 @@ struct ItemSnapshot {
 }
 
 /// The handle table and per-inode live state, shared by all FUSE worker threads.
+/// Sendable: `handles`, `live`, `nextHandle` and `uses` are guarded by `lock`.
 final class HandleTable: @unchecked Sendable {
   private var handles: [UInt64: OpenFile] = [:]
   private var live: [Int64: LiveInode] = [:]

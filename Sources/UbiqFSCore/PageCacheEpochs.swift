@@ -10,6 +10,7 @@ import Foundation
 /// opens of it ask the kernel to drop its pages (`keep_cache` off) for a few seconds — not just
 /// the next one, because the order in which the kernel, old handles and new opens act around a
 /// replacement is not fully under our control. After that quiet period pages are kept again.
+/// Sendable: `epochs` and `mustDrop` are guarded by `lock`.
 final class PageCacheEpochs: @unchecked Sendable {
   private let lock = NSLock()
   private var epochs: [Int64: UInt64] = [:]

@@ -4,6 +4,7 @@ import Foundation
 /// `listxattr` with size 0), so that the follow-up call with a buffer of that size gets the same
 /// bytes even if a computed status value (`percent_uploaded` 0 → 100, a newly assigned `etag`)
 /// has grown in between. Without it, `rsync -X` and `getfattr` see a spurious ERANGE.
+/// Sendable: `entries` is guarded by `lock`.
 final class XattrSnapshots: @unchecked Sendable {
   private struct Key: Hashable {
     let inode: UInt64

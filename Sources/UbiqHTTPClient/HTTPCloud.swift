@@ -8,6 +8,7 @@ import UbiqCore
 /// `CloudService` over the HTTP API of `ubiqfs serve` (docs/protocol.md), for one signed-in
 /// account. Every request is bounded (2 s connect, 30 s request, long-polls their timeout
 /// plus 15 s), so an unreachable server surfaces as `CloudError.unavailable`, never a hang.
+/// Sendable: immutable after init; requests share nothing but the thread-safe HTTP client.
 public final class HTTPCloud: CloudService, @unchecked Sendable {
   public let api: APIClient
 
@@ -107,6 +108,7 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
 }
 
 /// `KeyValueService` over the HTTP API (the per-container key-value store).
+/// Sendable: immutable after init.
 public final class HTTPKeyValue: KeyValueService, @unchecked Sendable {
   public let api: APIClient
   public init(api: APIClient) { self.api = api }

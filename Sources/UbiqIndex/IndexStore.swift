@@ -5,6 +5,7 @@ import UbiqCore
 /// The client's SQLite index for one container on this device: every item's metadata (rowid =
 /// inode), user xattrs, the durable upload queue and small key/value facts (device id, change
 /// token). All namespace changes are single transactions, so a crash never leaves half a rename.
+/// Sendable: the database pool serializes access; `uploadDelayNs` is set before use.
 public final class IndexStore: @unchecked Sendable {
   public let pool: any DatabaseWriter
   public static let rootInode: Int64 = 1

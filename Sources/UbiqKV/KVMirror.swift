@@ -33,6 +33,7 @@ public struct KVNotification: Codable, Sendable, Equatable {
 /// state folder. `entries` mirrors the server (tombstones included), `pending` holds local
 /// writes the server has not acknowledged yet (the visible value is pending over entries),
 /// `notifications` is a durable change log `kv watch` tails. Readable and writable offline.
+/// Sendable: nothing mutable besides the database, whose pool serializes access.
 public final class KVMirror: @unchecked Sendable {
   public let db: DatabaseQueue
   public let container: ContainerID

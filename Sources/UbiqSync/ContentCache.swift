@@ -7,6 +7,7 @@ import UbiqCore
 
 /// The local content cache: one file per inode under `<state>/content/`. Owns the naming and the
 /// creation/removal of those files; the filesystem reads and writes them through file descriptors.
+/// Sendable: `namesChanged` is guarded by `lock`; a file's name changes only under its inode lock.
 public final class ContentCache: @unchecked Sendable {
   public let directory: String
 
@@ -71,6 +72,7 @@ public final class ContentCache: @unchecked Sendable {
 /// Writers bump a generation and mark the inode unflushed; flush/fsync clears the mark.
 /// The uploader reads only when nothing is unflushed and discards its read if the generation
 /// moved meanwhile.
+/// Sendable: `states` is guarded by `lock`; `stripes` are the per-inode locks themselves.
 public final class WriteCoordinator: @unchecked Sendable {
   struct State {
     var generation: UInt64 = 0

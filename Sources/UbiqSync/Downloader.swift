@@ -337,6 +337,7 @@ public final class ContentStream: @unchecked Sendable {
 /// readers), the last failure of each inode and the count of bytes fetched, guarded by `lock`.
 /// Waits never hold a lock other inodes need; fetches run as tasks, never on the callers'
 /// threads.
+/// Sendable: `parallelism`, `stallTimeoutNs`, `limiter` and `onCached` are set before the mount starts.
 public final class Downloader: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache

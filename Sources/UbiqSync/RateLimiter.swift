@@ -3,6 +3,7 @@ import UbiqCore
 
 /// A bandwidth cap shared by all transfers of one kind (e.g. downloads): callers ask before
 /// moving `bytes` and are delayed so the average stays at `bytesPerSecond`.
+/// Sendable: `nextFreeNs` is guarded by `lock`.
 public final class RateLimiter: @unchecked Sendable {
   public let bytesPerSecond: Int64
   private let lock = NSLock()

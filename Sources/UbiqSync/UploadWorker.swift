@@ -11,6 +11,8 @@ import UbiqIndex
 /// Drains the durable upload queue into the cloud: chunks changed files, sends only the chunks
 /// the cloud lacks, commits item versions with If-Match, and deletes. Failures are retried with
 /// exponential backoff forever and shown in status; nothing is dropped.
+/// Sendable: `kicked`, `stopped`, `task`, `unrecorded`, `pausedUntilNs` and `sending` are guarded by `lock`;
+/// the callbacks, `limiter` and `parallelUploads` are set before `start`.
 public final class UploadWorker: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache

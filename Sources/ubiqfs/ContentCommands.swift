@@ -105,6 +105,7 @@ struct DownloadCommand: ParsableCommand {
 
 /// Downloads every evicted file below some paths, one after the other (each setxattr returns
 /// once that file's content is cached), while a timer reports progress.
+/// Sendable: the counts and the current file are guarded by `lock`.
 final class DownloadJob: @unchecked Sendable {
   /// Progress of a download run.
   struct Report: ProgressReport {

@@ -71,7 +71,8 @@ final class Daemon {
     try ContentCache.fsyncDirectory(dir.path)
     let cloud = try cloudSession.makeCloud()
     do {
-      try runBlocking { try await cloud.ensureContainer(self.container) }
+      let container = self.container
+      try runBlocking { try await cloud.ensureContainer(container) }
     } catch CloudError.unavailable(let why) where ((try? index.changeToken()) ?? 0) > 0 {
       // A server account that synced before mounts offline; queued work uploads once it is back.
       log.warning("cloud unavailable (\(why)); mounting from the local index")
@@ -177,9 +178,10 @@ final class Daemon {
 
   /// The cloud creates root and Documents; a fresh index adopts their etags.
   func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
+    let container = self.container
     for id in [WellKnownItem.root, WellKnownItem.documents] {
       guard let row = try index.item(itemID: id), row.etag == nil,
-        let remote = try runBlocking({ try await cloud.item(self.container, itemID: id) })
+        let remote = try runBlocking({ try await cloud.item(container, itemID: id) })
       else { continue }
       try index.pool.write { db in
         try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [remote.etag, row.id!])

@@ -251,7 +251,7 @@ struct KVWatch: ParsableCommand {
         ctx.sync()
         for n in try ctx.mirror.notifications(after: last) {
           print(n.json)
-          fflush(stdout)
+          fflush(nil)
           last = n.seq
           printed += 1
           if let limit, printed >= limit { return }

@@ -22,6 +22,7 @@ protocol ProgressReport: Encodable {
 
 /// Prints progress reports in a `ProgressStyle`: at most one every `interval` seconds, and the
 /// final one always. Safe to call from several threads.
+/// Sendable: `lastPrinted` and `lineShown` are guarded by `lock`.
 final class ProgressPrinter<Report: ProgressReport>: @unchecked Sendable {
   let style: ProgressStyle
   private let interval: TimeInterval

@@ -81,7 +81,7 @@ struct StatusCommand: ParsableCommand {
     while iterations.map({ n < $0 }) ?? true {
       if !json { print("\u{1B}[H\u{1B}[2J", terminator: "") }
       try once()
-      fflush(stdout)
+      fflush(nil)
       n += 1
       if iterations.map({ n >= $0 }) ?? false { break }
       usleep(500_000)

@@ -47,7 +47,7 @@ struct WatchCommand: ParsableCommand {
           let (path, from) = try paths.resolve(event)
           if let scope, !inside(path, scope) && !(from.map { inside($0, scope) } ?? false) { continue }
           print(line(event, path: mountpoint + "/" + path, from: from.map { mountpoint + "/" + $0 }))
-          fflush(stdout)
+          fflush(nil)
         }
         // The index commits through its write-ahead log in the state folder: any write there
         // wakes the loop; a second without one looks anyway.

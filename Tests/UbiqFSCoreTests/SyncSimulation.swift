@@ -475,9 +475,10 @@ final class SyncSimulation {
     let container = devices[0].container
     var live: [String: CloudItem] = [:]
     var token: Int64 = 0
+    let shared = self.shared
     while true {
       let since = token
-      let batch = try runBlocking { try await self.shared.changes(container, since: since, limit: 500) }
+      let batch = try runBlocking { try await shared.changes(container, since: since, limit: 500) }
       for item in batch.items { live[item.itemID] = item.deleted ? nil : item }
       token = batch.token
       if !batch.hasMore { break }
@@ -502,7 +503,7 @@ final class SyncSimulation {
         tree[parts.joined(separator: "/")] = "dir"
       } else {
         var bytes = Data()
-        for c in item.chunks { bytes += try runBlocking { try await self.shared.getChunk(hash: c.hash, range: nil) } }
+        for c in item.chunks { bytes += try runBlocking { try await shared.getChunk(hash: c.hash, range: nil) } }
         tree[parts.joined(separator: "/")] = Chunker.sha256Hex(bytes)
       }
     }

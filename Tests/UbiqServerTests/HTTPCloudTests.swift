@@ -50,7 +50,7 @@ final class HTTPCloudTests: XCTestCase {
     }
   }
 
-  func file(_ id: String, _ data: Data) -> CloudItem {
+  static func file(_ id: String, _ data: Data) -> CloudItem {
     CloudItem(
       itemID: id, parentID: WellKnownItem.documents, name: "\(id).txt", kind: .file, mode: 0o644,
       size: Int64(data.count), mtimeNs: 1, chunks: [ChunkRef(hash: Chunker.sha256Hex(data), length: Int64(data.count))],
@@ -59,7 +59,7 @@ final class HTTPCloudTests: XCTestCase {
 
   func testCloudServiceOverHTTP() async throws {
     let c = container
-    let f = file
+    let f: @Sendable (String, Data) -> CloudItem = { Self.file($0, $1) }
     try await withServer { url, backend in
       let (setupToken, _) = try await backend.createAccount("alice", quotaBytes: 1000, device: "setup")
       // Login: a device token replaces the setup token.
