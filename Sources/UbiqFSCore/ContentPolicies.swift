@@ -9,7 +9,13 @@ import UbiqSync
 
 extension FilesystemCore {
   /// Called (under the inode lock) right after a remote version replaced the cached content.
-  public func contentReplaced(_ inode: Int64) { pageEpochs.contentReplaced(inode) }
+  /// A remote version or a merge replaced the content of `inode` (under its inode lock, right
+  /// after its cache file went): a download of the old version leaves the download table, so
+  /// the next open starts the new version's; its open readers finish with the old bytes.
+  public func contentReplaced(_ inode: Int64) {
+    downloader?.detach(inode)
+    pageEpochs.contentReplaced(inode)
+  }
 
   /// Drops replaced or deleted local content and tells the kernel what changed remotely.
   public func remoteChangesApplied(_ results: [RemoteApplyResult]) {
@@ -170,6 +176,7 @@ extension FilesystemCore {
       if keep != "current" && handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
       if try index.resolveConflicts(inode, keep: keep == "current" ? nil : keep) {
         cache.remove(inode)
+        contentReplaced(inode)
       }
     }
     onQueued()

@@ -112,7 +112,12 @@ extension IndexStore {
       }
     }
     // Two items want one name: the one that reached the cloud later (or not yet) yields and
-    // becomes "name 2.ext". Every device applies the same rule, so all converge.
+    // becomes "name 2.ext". Every device applies the same rule, so all converge. One exception:
+    // a record this device committed for an item it no longer has (replaced or deleted here,
+    // the delete lost to a crash) never takes a name from a local item; it yields, and its new
+    // name goes to the cloud, so the other devices follow.
+    let ownDevice = try String.fetchOne(db.cached("SELECT value FROM meta WHERE key = 'deviceID'"))
+    let ownOrphan = local == nil && ownDevice == r.deviceID
     var name = r.name
     var renamedHere = false
     if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
@@ -131,7 +136,7 @@ extension IndexStore {
         let parked = "\u{1}moving \(other.itemID)"
         try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [parked, otherID])
         stale += [(parent, other.name)]
-      } else if otherSeq > r.changeSeq {
+      } else if otherSeq > r.changeSeq && !ownOrphan {
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
           sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",

@@ -68,13 +68,15 @@ public final class ContentStream: @unchecked Sendable {
   private var inFlight: Set<Int> = []
   /// Chunks a reader waits for, fetched before any other.
   private var wanted: [Int] = []
-  /// Chunks below this index may be fetched ahead of readers.
-  private var fetchLimit = 0
-  /// Every chunk below it is done or in flight.
-  private var cursor = 0
+  /// The read-ahead window of the latest reads: chunks from `aheadNext` up to `aheadEnd` are
+  /// fetched after those readers wait for.
+  private var aheadNext = 0
+  private var aheadEnd = 0
   /// The whole file is wanted (an open for writing, a pin, `ubiqfs download`): the download
-  /// runs to the end even when no handle reads it any more.
+  /// runs to the end even when no handle reads it any more. Every chunk below `wholeNext` is
+  /// done or in flight.
   private var wholeFile = false
+  private var wholeNext = 0
   /// Open handles reading through this download.
   private var users = 0
   private var failure: UbiqError?
@@ -113,11 +115,6 @@ public final class ContentStream: @unchecked Sendable {
     cond.withLock { chunks.isEmpty ? 100 : Int(Double(doneCount) * 100 / Double(chunks.count)) }
   }
 
-  /// Bytes of the file present in the cache file so far.
-  public var bytesPresent: Int64 {
-    cond.withLock { done.indices.reduce(Int64(0)) { $0 + (done[$1] ? chunks[$1].length : 0) } }
-  }
-
   /// The index of the chunk holding byte `offset` (the last chunk for offsets past the end).
   func chunkIndex(containing offset: Int64) -> Int {
     var lo = 0
@@ -138,34 +135,36 @@ public final class ContentStream: @unchecked Sendable {
 
   // MARK: - readers
 
-  /// Asks for [off, off+len) first and lets the download fetch ahead up to `fetchAheadTo`.
-  /// Returns true if the scheduler should look for chunks to start.
+  /// Asks for [off, off+len) first and lets the download fetch the chunks after it, up to
+  /// `fetchAheadTo`. A read that continues the current window extends it; any other read
+  /// starts a new one. Returns true if the scheduler should look for chunks to start.
   func request(_ off: Int64, _ len: Int, fetchAheadTo: Int64) -> Bool {
     let range = chunkRange(off, len)
     return cond.withLock {
       if isStopped || failure != nil { return false }
       let missing = range.filter { !done[$0] && !inFlight.contains($0) }
       wanted.insert(contentsOf: missing, at: 0)
-      if !chunks.isEmpty && fetchAheadTo > 0 {
-        let upTo = min(size, fetchAheadTo)
-        fetchLimit = max(fetchLimit, range.upperBound, chunkIndex(containing: max(0, upTo - 1)) + 1)
+      if !range.isEmpty && fetchAheadTo > 0 {
+        let start = range.upperBound
+        let end = max(start, chunkIndex(containing: max(0, min(size, fetchAheadTo) - 1)) + 1)
+        if start >= aheadNext && start <= aheadEnd {
+          aheadEnd = max(aheadEnd, end)
+        } else {
+          aheadNext = start
+          aheadEnd = end
+        }
       }
-      return !missing.isEmpty || cursor < fetchLimit
+      return !missing.isEmpty || aheadNext < aheadEnd
     }
   }
 
   /// Asks for every chunk.
-  func requestWholeFile() {
-    cond.withLock {
-      wholeFile = true
-      fetchLimit = chunks.count
-    }
-  }
+  func requestWholeFile() { cond.withLock { wholeFile = true } }
 
   /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
-  /// `stallTimeoutNs`, or the caller was interrupted. A range that reaches the end of the file
-  /// also waits until the download is finished (made durable and recorded), so a reader that
-  /// read the whole file then sees it downloaded.
+  /// `stallTimeoutNs`, or the caller was interrupted. A range that reaches the end of the file,
+  /// once every chunk is here, also waits until the download is finished (made durable and
+  /// recorded), so a reader that read the whole file then sees it downloaded.
   func waitForRange(_ off: Int64, _ len: Int, stallTimeoutNs: UInt64, interruption: Interruption?) throws {
     let range = chunkRange(off, len)
     let toEnd = off.addingReportingOverflow(Int64(len)).partialValue >= size
@@ -174,7 +173,9 @@ public final class ContentStream: @unchecked Sendable {
       defer { self.cond.unlock() }
       var progress = self.doneCount
       var deadline = Date(timeIntervalSinceNow: Double(stallTimeoutNs) / 1e9)
-      while range.contains(where: { !self.done[$0] }) || (toEnd && !self.isFinished) {
+      while range.contains(where: { !self.done[$0] })
+        || (toEnd && self.doneCount == self.chunks.count && !self.isFinished)
+      {
         if self.isStopped { return }
         if let failure = self.failure { throw failure }
         if interruption?.isInterrupted == true { throw UbiqError.interrupted("waiting for content from the cloud") }
@@ -226,15 +227,22 @@ public final class ContentStream: @unchecked Sendable {
           picked.append(w)
         }
       }
-      while picked.count < slots && cursor < fetchLimit {
-        let i = cursor
-        cursor += 1
+      while picked.count < slots && aheadNext < aheadEnd {
+        let i = aheadNext
+        aheadNext += 1
         if !done[i] && !inFlight.contains(i) {
           inFlight.insert(i)
           picked.append(i)
         }
       }
-      while cursor < fetchLimit && (done[cursor] || inFlight.contains(cursor)) { cursor += 1 }
+      while wholeFile && picked.count < slots && wholeNext < chunks.count {
+        let i = wholeNext
+        wholeNext += 1
+        if !done[i] && !inFlight.contains(i) {
+          inFlight.insert(i)
+          picked.append(i)
+        }
+      }
       return picked
     }
   }
@@ -378,14 +386,19 @@ public final class Downloader: @unchecked Sendable {
   public var activeFetches: Int { lock.withLock { fetching } }
 
   /// The running download of `inode`, started if needed; nil if the content is already cached.
-  /// Starting one fetches nothing yet: readers and whole-file requests say what to fetch.
+  /// Starting one fetches nothing yet: readers and whole-file requests say what to fetch. Runs
+  /// under the inode lock (it may create the cache file).
   func stream(_ inode: Int64) throws -> ContentStream? {
     let (s, isNew) = try lock.withLock { () throws -> (ContentStream?, Bool) in
       guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
       if row.content == .cached { return (nil, false) }
       // A download of an older version (changed remotely meanwhile) serves its own readers.
       if let s = streams[inode], s.manifest == row.chunks { return (s, false) }
-      let fd = Glibc.open(cache.path(inode), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
+      // A new file: readers of an earlier download (failed, stopped, or of an older version)
+      // keep the old one through their descriptors and never see its bytes change.
+      let path = cache.path(inode)
+      unlink(path)
+      let fd = Glibc.open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
       guard fd >= 0 else { throw UbiqError.posix(errno, "creating the cache file of \(row.name)") }
       // The file gets its final size at once; if that fails, each chunk's write extends it.
       _ = ftruncate(fd, off_t(row.size))
@@ -400,7 +413,7 @@ public final class Downloader: @unchecked Sendable {
   }
 
   /// The download an open handle reads evicted content through; nil if the content is cached.
-  /// The handle must give it back with `closeReader` when it closes.
+  /// The handle must give it back with `closeReader` when it closes. Runs under the inode lock.
   public func openReader(_ inode: Int64) throws -> ContentStream? {
     guard let s = try stream(inode) else { return nil }
     s.addUser()
@@ -433,6 +446,14 @@ public final class Downloader: @unchecked Sendable {
     try s.waitForRange(offset, length, stallTimeoutNs: stallTimeoutNs, interruption: interruption)
   }
 
+  /// The content the download fetches was replaced (a remote version, a merge): the download
+  /// leaves the table without stopping, so its readers finish with the old bytes (their
+  /// descriptors keep the old cache file) and it never marks the file cached. Runs under the
+  /// inode lock.
+  public func detach(_ inode: Int64) {
+    lock.withLock { _ = streams.removeValue(forKey: inode) }
+  }
+
   /// The file's content was replaced locally (truncated) or the item went away: a running
   /// download of the previous version stops before this returns, and never marks the file
   /// cached.
@@ -446,7 +467,8 @@ public final class Downloader: @unchecked Sendable {
   /// the download failed, stalled or the caller was interrupted. Holds no lock while it waits.
   public func ensureCached(_ inode: Int64, interruption: Interruption? = nil) throws {
     for _ in 0..<3 {
-      guard let s = try stream(inode) else { return }
+      // Under the inode lock: creating the cache file is a content transition.
+      guard let s = try coordinator.withInodeLock(inode, { try stream(inode) }) else { return }
       s.requestWholeFile()
       schedule(s)
       try s.waitForRange(

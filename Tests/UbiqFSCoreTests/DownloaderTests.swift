@@ -107,6 +107,44 @@ import UbiqIndex
     }
   }
 
+  @Test func aReadAtTheEndOfAnEvictedFileFetchesOnlyWhatItReads() async throws {
+    try await onOwnThread {
+      let data = Self.noise(9 << 20, seed: 11)
+      let (a, b, _) = try Self.evictedOnB(["big": data])
+      defer { withExtendedLifetime(a) {} }
+      let inode = try b.inode("big")!
+      let chunks = try b.index.item(inode)!.chunkList
+      let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      // `tail -c 100`, a zip's central directory, an mp4's index.
+      #expect(try b.core.read(h, offset: Int64(data.count - 100), size: 100) == data.suffix(100))
+      try Self.waitUntil("no chunk is being fetched") { b.downloader.activeFetches == 0 }
+      let allowed = chunks.suffix(2).reduce(Int64(0)) { $0 + $1.length }
+      #expect(b.downloader.bytesFetched <= allowed, "fetched \(b.downloader.bytesFetched) of \(data.count) bytes")
+      b.core.release(h)
+    }
+  }
+
+  @Test func aReaderClosingAfterARemoteReplacementLeavesANewLocalWriteAlone() async throws {
+    try await onOwnThread {
+      let (a, b, _) = try Self.evictedOnB(["f": Self.noise(4 << 20, seed: 5)])
+      let inode = try b.inode("f")!
+      let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      _ = try b.core.read(reader, offset: 0, size: 4096)
+      // Device A empties the file; B applies it while its reader is open (readers do not block
+      // remote versions), then writes the file itself.
+      try a.writeFile("f", Data())
+      try a.drainUploads()
+      try b.pull()
+      let mine = Data("written on b after the remote version\n".utf8)
+      try b.writeFile("f", mine)
+      b.core.release(reader)
+      #expect(try b.readFile("f") == mine)
+      try b.drainUploads()
+      try a.pull()
+      #expect(try a.readFile("f") == mine)
+    }
+  }
+
   @Test func aFileReadWholeCanBeEvictedRightAfterItsLastClose() async throws {
     try await onOwnThread {
       let data = Data("small and quickly downloaded\n".utf8)
