@@ -212,36 +212,29 @@ public final class ContentStream: @unchecked Sendable {
 
   // MARK: - the fetch loop
 
-  /// Chunks to start now, marked in flight: those readers wait for, then the next ones inside
-  /// the fetch limit. The first chunk of a download goes alone: a reader is usually waiting for
-  /// it (time to first byte), and parallel fetches would compete with it for the link.
+  /// Chunks to start now, marked in flight: those readers wait for, then those in the
+  /// read-ahead window, then (for a whole-file download) the rest in order. The first chunk of
+  /// a download goes alone: a reader is usually waiting for it (time to first byte), and
+  /// parallel fetches would compete with it for the link.
   func startableChunks(parallelism: Int) -> [Int] {
     cond.withLock {
       if isStopped || failure != nil { return [] }
       let slots = (doneCount == 0 ? 1 : max(1, parallelism)) - inFlight.count
       var picked: [Int] = []
-      while picked.count < slots, let w = wanted.first {
-        wanted.removeFirst()
-        if !done[w] && !inFlight.contains(w) {
-          inFlight.insert(w)
-          picked.append(w)
-        }
-      }
-      while picked.count < slots && aheadNext < aheadEnd {
-        let i = aheadNext
-        aheadNext += 1
+      func take(_ i: Int) {
         if !done[i] && !inFlight.contains(i) {
           inFlight.insert(i)
           picked.append(i)
         }
+      }
+      while picked.count < slots, !wanted.isEmpty { take(wanted.removeFirst()) }
+      while picked.count < slots && aheadNext < aheadEnd {
+        take(aheadNext)
+        aheadNext += 1
       }
       while wholeFile && picked.count < slots && wholeNext < chunks.count {
-        let i = wholeNext
+        take(wholeNext)
         wholeNext += 1
-        if !done[i] && !inFlight.contains(i) {
-          inFlight.insert(i)
-          picked.append(i)
-        }
       }
       return picked
     }
@@ -269,6 +262,14 @@ public final class ContentStream: @unchecked Sendable {
   func giveUp(_ i: Int, _ e: UbiqError) {
     cond.withLock {
       inFlight.remove(i)
+      if failure == nil { failure = e }
+      cond.broadcast()
+    }
+  }
+
+  /// Fails the download (the first failure is the one readers get).
+  func fail(_ e: UbiqError) {
+    cond.withLock {
       if failure == nil { failure = e }
       cond.broadcast()
     }
@@ -512,7 +513,7 @@ public final class Downloader: @unchecked Sendable {
       log.debug("download of \(name) stopped")
     case .failed(let e):
       log.warning("download of \(name) failed: \(e)")
-      s.giveUp(-1, e)
+      s.fail(e)
       lock.withLock { failures[s.inode] = e.description }
     case .complete:
       // A content transition: under the inode lock, so an eviction or an open sees the file
