@@ -4,9 +4,11 @@ remote, one JSON object per line."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import queue
+import sqlite3
 import subprocess
 import threading
 
@@ -14,10 +16,24 @@ from conftest import UBIQFS_BIN, Ubiq
 from test_devices_and_content import device2, wait_for  # noqa: F401  (device2 is a fixture)
 
 
+def last_event(u: Ubiq) -> int:
+    """The newest event number in the index of the device's one mounted container."""
+    [index] = glob.glob(os.path.join(u.env["UBIQFS_STATE_DIR"], "accounts", "*", "*", "index.sqlite"))
+    db = sqlite3.connect(f"file:{index}?mode=ro", uri=True)
+    try:
+        return db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0]
+    finally:
+        db.close()
+
+
 class Watcher:
     """`ubiqfs watch --json [PATH]` of one device, its lines collected by a thread."""
 
     def __init__(self, u: Ubiq, *args: str):
+        if "--since" not in args:
+            # From the device's newest event, not from whenever the process gets to read it:
+            # changes made while it starts are reported too.
+            args = (*args, "--since", str(last_event(u)))
         self.proc = subprocess.Popen(
             [UBIQFS_BIN, "watch", "--json", *args], env=u.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True,
@@ -43,7 +59,10 @@ class Watcher:
                 if all(e.get(k) == v for k, v in want.items()):
                     return e
         except queue.Empty:
-            raise AssertionError(f"no {want} within {timeout} s; saw {self.seen}") from None
+            died = ""
+            if self.proc.poll() is not None:
+                died = f"; watch exited with {self.proc.returncode}: {self.proc.stderr.read().strip()}"
+            raise AssertionError(f"no {want} within {timeout} s; saw {self.seen}{died}") from None
 
     def stop(self):
         self.proc.terminate()
