@@ -100,11 +100,20 @@ let package = Package(
         "CFuse3", "UbiqCore", "UbiqIndex", "UbiqFSCore",
         .product(name: "Logging", package: "swift-log"),
       ]),
+    // One mount's daemon (index, cache, cloud, workers and the FUSE session wired together) and
+    // the state root it shares with the commands: paths, account session, daemon records.
+    .target(
+      name: "UbiqDaemon",
+      dependencies: [
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore", "UbiqHTTPClient",
+        "UbiqKV", .product(name: "Logging", package: "swift-log"),
+      ]),
+    // The command line: parses arguments, calls the libraries, prints.
     .executableTarget(
       name: "ubiqfs",
       dependencies: [
         "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore",
-        "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer", "UbiqKV",
+        "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer", "UbiqKV", "UbiqDaemon",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),
@@ -116,6 +125,7 @@ let package = Package(
         .product(name: "Logging", package: "swift-log"),
         .product(name: "PropertyBased", package: "swift-property-based"),
       ]),
+    .testTarget(name: "UbiqDaemonTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex", "UbiqDaemon"]),
     .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
     .testTarget(
       name: "UbiqCloudTests",

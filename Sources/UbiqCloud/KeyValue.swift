@@ -181,7 +181,7 @@ public enum KeyValueError: Error, CustomStringConvertible, Sendable, Equatable {
 }
 
 /// The key-value store of one signed-in account, per container. Implemented in-process by
-/// `CloudEngine` and over HTTP by `HTTPKeyValue`; the client side arrives with a later issue.
+/// `CloudEngine` and over HTTP by `HTTPKeyValue`; `KVSync` (UbiqKV) is its client.
 public protocol KeyValueService: Sendable {
   /// Entries changed after `since` (0: all live entries) and the newest change token.
   func kvEntries(_ container: ContainerID, since: Int64) async throws -> KVSnapshot

@@ -25,6 +25,23 @@ public struct ChangeEvent: Sendable, Equatable {
   /// The change came from the cloud (another device), not from this mount.
   public var remote: Bool
 
+  public init(
+    seq: Int64, timeNs: Int64, kind: Kind, inode: Int64, itemID: String, isDirectory: Bool, parent: Int64?,
+    name: String, oldParent: Int64? = nil, oldName: String? = nil, remote: Bool
+  ) {
+    self.seq = seq
+    self.timeNs = timeNs
+    self.kind = kind
+    self.inode = inode
+    self.itemID = itemID
+    self.isDirectory = isDirectory
+    self.parent = parent
+    self.name = name
+    self.oldParent = oldParent
+    self.oldName = oldName
+    self.remote = remote
+  }
+
   /// The table, the flag that tells remote changes apart (set by `applyRemote` inside its
   /// transaction) and the triggers. Times are those of the commit, in nanoseconds (ms precision).
   static let schema = """

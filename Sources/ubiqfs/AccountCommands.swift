@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import UbiqCloud
 import UbiqCore
+import UbiqDaemon
 import UbiqHTTPClient
 import UbiqIndex
 
@@ -277,12 +278,6 @@ extension AccountCommand {
       }
     }
   }
-}
-
-func printJSON<T: Encodable>(_ value: T) throws {
-  let e = JSONEncoder()
-  e.outputFormatting = [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
-  print(String(decoding: try e.encode(value), as: UTF8.self))
 }
 
 /// An opaque token naming the signed-in identity: equal for the same account on the same cloud,

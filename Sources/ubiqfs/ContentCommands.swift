@@ -2,6 +2,7 @@ import ArgumentParser
 import CFuse3
 import Foundation
 import UbiqCore
+import UbiqDaemon
 
 #if canImport(Glibc)
   import Glibc

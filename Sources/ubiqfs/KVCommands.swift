@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import UbiqCloud
 import UbiqCore
+import UbiqDaemon
 import UbiqHTTPClient
 import UbiqKV
 
@@ -58,10 +59,7 @@ struct KVContext {
     return changed
   }
 
-  func service() throws -> KeyValueService {
-    if let config = session.config { return HTTPKeyValue(api: try config.api) }
-    return try CloudEngine.embedded(directory: paths.cloudDir, account: session.account)
-  }
+  func service() throws -> KeyValueService { try session.makeKeyValueService() }
 
   /// Pushes pending writes and pulls; returns false (changing nothing) when the cloud is
   /// unreachable, so reads fall back to the mirror and writes stay queued.
@@ -260,26 +258,4 @@ struct KVWatch: ParsableCommand {
       }
     }
   }
-}
-
-/// The mount daemon's key-value sync: every `interval` seconds, push and pull the container's
-/// mirror for the account the mount uses, so a mounted device propagates without kv commands.
-func startKVSyncTimer(paths: Paths, session: CloudSession, container: ContainerID, interval: Double = 1.0)
-  -> DispatchSourceTimer?
-{
-  let dir = paths.containerDir(account: session.account, container)
-  guard let mirror = try? KVMirror(path: dir.appendingPathComponent("kv.sqlite"), container: container) else {
-    return nil
-  }
-  let ctx = KVContext(paths: paths, session: session, container: container, mirror: mirror)
-  guard let svc = try? ctx.service(), let device = try? mirror.device(suggested: session.config?.device) else {
-    return nil
-  }
-  let sync = KVSync(mirror: mirror, service: svc, device: device)
-  let timer = DispatchSource.makeTimerSource(queue: DispatchQueue(label: "ubiqfs.kv-sync", qos: .utility))
-  timer.schedule(deadline: .now() + 0.5, repeating: interval)
-  // Unreachable cloud: writes stay queued until a later round.
-  timer.setEventHandler { try? runBlocking { try await sync.run() } }
-  timer.resume()
-  return timer
 }

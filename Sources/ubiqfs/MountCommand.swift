@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import UbiqCore
+import UbiqDaemon
 import UbiqFS
 import UbiqFSCore
 

@@ -4,6 +4,7 @@ import Logging
 import UbiqCloud
 import UbiqCloudScale
 import UbiqCore
+import UbiqDaemon
 import UbiqServer
 
 /// Which engine `serve` and the `server` admin commands use: `--data DIR` (embedded,

@@ -3,6 +3,7 @@ import CFuse3
 import Foundation
 import UbiqCloud
 import UbiqCore
+import UbiqDaemon
 import UbiqIndex
 
 #if canImport(Glibc)

@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import UbiqCore
+import UbiqDaemon
 
 /// `ubiqfs`: iCloud-style ubiquity containers for Linux.
 struct Ubiqfs: ParsableCommand {

@@ -8,7 +8,7 @@ import UbiqCore
 
 /// Why a mount point cannot be used, or why a command needs a daemon that is not there; each
 /// message ends with what to run.
-enum MountPointError: Error, CustomStringConvertible {
+public enum MountPointError: Error, CustomStringConvertible {
   /// Something is mounted there and answers.
   case alreadyMounted(String, fstype: String)
   /// A mount of another filesystem whose server is gone; ubiqfs leaves it alone.
@@ -18,7 +18,7 @@ enum MountPointError: Error, CustomStringConvertible {
   /// The daemon serving a path died without unmounting.
   case daemonCrashed(CrashedDaemon)
 
-  var description: String {
+  public var description: String {
     switch self {
     case .alreadyMounted(let mp, let fstype) where fstype == "fuse.ubiqfs":
       return "\(mp) is already a mount point (ubiqfs); unmount it first with `ubiqfs unmount \(mp)`"
@@ -36,15 +36,15 @@ enum MountPointError: Error, CustomStringConvertible {
 }
 
 /// A daemon that died without unmounting: its `daemon.json` is left behind and its process is gone.
-struct CrashedDaemon: Codable, Equatable {
-  var pid: Int32
-  var mountpoint: String
+public struct CrashedDaemon: Codable, Equatable, Sendable {
+  public var pid: Int32
+  public var mountpoint: String
   /// The kernel still lists the mount (every access fails with ENOTCONN).
-  var staleMount: Bool
+  public var staleMount: Bool
   /// The command that brings the container back.
-  var remedy: String
+  public var remedy: String
 
-  init(_ record: DaemonRecord) {
+  public init(_ record: DaemonRecord) {
     pid = record.pid
     mountpoint = record.mountpoint
     staleMount = MountTable.isUbiqMount(record.mountpoint)
@@ -52,18 +52,18 @@ struct CrashedDaemon: Codable, Equatable {
   }
 
   /// One line for status output and error messages.
-  var summary: String {
+  public var summary: String {
     let location = staleMount ? "; \(mountpoint) is a stale mount" : " (it was mounted at \(mountpoint))"
     return "daemon crashed (pid \(pid) is gone)\(location); remount with `\(remedy)`"
   }
 }
 
 /// Checks a mount point before mounting and recovers one left stale by a crashed daemon.
-enum MountPoint {
+public enum MountPoint {
   /// Makes `path` ready to mount on: it must be a directory with nothing mounted on it. A
   /// ubiqfs mount whose daemon is gone is lazily detached first and `report` gets one line
   /// saying so; anything else mounted there is an error.
-  static func prepare(_ path: String, report: (String) -> Void) throws {
+  public static func prepare(_ path: String, report: (String) -> Void) throws {
     var detached = 0
     // Only something mounted right there can be stale; a plain directory is never asked.
     while let entry = MountTable.entries().last(where: { $0.mountpoint == path }), let err = deadConnection(path) {
@@ -94,7 +94,7 @@ enum MountPoint {
   /// Detaches the mount that a crashed daemon of the same container (its `record`) left at
   /// another mount point, if that still answers ENOTCONN; `report` gets one line either way.
   /// Mounting goes on if detaching fails.
-  static func recoverPrevious(_ record: DaemonRecord?, mountingAt path: String, report: (String) -> Void) {
+  public static func recoverPrevious(_ record: DaemonRecord?, mountingAt path: String, report: (String) -> Void) {
     guard let record, record.mountpoint != path, !record.isAlive, MountTable.isUbiqMount(record.mountpoint),
       deadConnection(record.mountpoint) != nil
     else { return }
@@ -109,7 +109,7 @@ enum MountPoint {
   /// The errno of a FUSE mount at `path` whose daemon is gone (ENOTCONN, or ECONNABORTED for
   /// an aborted connection), nil otherwise. statvfs always reaches the daemon, where stat may be
   /// answered from the kernel's attribute cache.
-  static func deadConnection(_ path: String) -> Int32? {
+  public static func deadConnection(_ path: String) -> Int32? {
     var fs = statvfs()
     guard statvfs(path, &fs) != 0 else { return nil }
     let err = errno
@@ -118,7 +118,7 @@ enum MountPoint {
 
   /// Lazily detaches the mount at `path`: `fusermount3 -uz`, or `umount -l` (which works for
   /// root) when that fails.
-  static func detach(_ path: String) throws {
+  public static func detach(_ path: String) throws {
     var reasons: [String] = []
     for (tool, args) in [("fusermount3", ["-u", "-z", path]), ("umount", ["-l", path])] {
       guard let exe = ["/usr/bin/", "/bin/"].map({ $0 + tool }).first(where: { access($0, X_OK) == 0 }) else {

@@ -9,20 +9,33 @@ import UbiqHTTPClient
 
 /// The signed-in server account of this state root: `<state>/account.json`, mode 0600. Holds
 /// the device's own bearer token, so only its owner may read it.
-struct AccountConfig: Codable {
-  var server: String
-  var account: String
-  var device: String
-  var tokenID: String
-  var token: String
+public struct AccountConfig: Codable {
+  public var server: String
+  public var account: String
+  public var device: String
+  public var tokenID: String
+  public var token: String
   /// The CA certificate (PEM) the server's certificate is verified against (`login --ca-cert`).
-  var caCertificatePEM: String?
+  public var caCertificatePEM: String?
   /// Plain http:// to a non-loopback server was allowed at login (`--insecure-http`).
-  var insecureHTTP: Bool?
+  public var insecureHTTP: Bool?
 
-  static func url(_ paths: Paths) -> URL { paths.stateRoot.appendingPathComponent("account.json") }
+  public init(
+    server: String, account: String, device: String, tokenID: String, token: String, caCertificatePEM: String?,
+    insecureHTTP: Bool?
+  ) {
+    self.server = server
+    self.account = account
+    self.device = device
+    self.tokenID = tokenID
+    self.token = token
+    self.caCertificatePEM = caCertificatePEM
+    self.insecureHTTP = insecureHTTP
+  }
 
-  static func load(_ paths: Paths) throws -> AccountConfig? {
+  public static func url(_ paths: Paths) -> URL { paths.stateRoot.appendingPathComponent("account.json") }
+
+  public static func load(_ paths: Paths) throws -> AccountConfig? {
     let u = url(paths)
     guard FileManager.default.fileExists(atPath: u.path) else { return nil }
     do {
@@ -33,7 +46,7 @@ struct AccountConfig: Codable {
   }
 
   /// Written to a temporary file created 0600, then renamed into place.
-  func save(_ paths: Paths) throws {
+  public func save(_ paths: Paths) throws {
     try FileManager.default.createDirectory(at: paths.stateRoot, withIntermediateDirectories: true)
     let final = Self.url(paths).path
     let tmp = final + ".tmp.\(getpid())"
@@ -50,18 +63,18 @@ struct AccountConfig: Codable {
     }
   }
 
-  static func remove(_ paths: Paths) throws {
+  public static func remove(_ paths: Paths) throws {
     let u = url(paths)
     if FileManager.default.fileExists(atPath: u.path) { try FileManager.default.removeItem(at: u) }
   }
 
   /// A client of this account's server with its trust settings and another token.
-  func client(token: String) throws -> APIClient {
+  public func client(token: String) throws -> APIClient {
     try APIClient(
       baseURL: server, token: token, caCertificatePEM: caCertificatePEM, allowInsecureHTTP: insecureHTTP ?? false)
   }
 
-  var api: APIClient {
+  public var api: APIClient {
     get throws {
       do { return try client(token: token) } catch let e as CloudError {
         throw UbiqError.invalidArgument(e.description)
@@ -72,23 +85,29 @@ struct AccountConfig: Codable {
 
 /// Which cloud this state root syncs with: the signed-in server account (HTTPCloud) or, when
 /// nobody is signed in, the embedded engine's `local` account.
-struct CloudSession {
-  let account: String
-  let config: AccountConfig?
-  let paths: Paths
+public struct CloudSession {
+  public let account: String
+  public let config: AccountConfig?
+  public let paths: Paths
 
-  static func open(_ paths: Paths) throws -> CloudSession {
+  public static func open(_ paths: Paths) throws -> CloudSession {
     let config = try AccountConfig.load(paths)
     return CloudSession(account: config?.account ?? AccountName.local, config: config, paths: paths)
   }
 
-  func makeCloud() throws -> CloudService {
+  public func makeCloud() throws -> CloudService {
     if let config { return HTTPCloud(api: try config.api) }
+    return try CloudEngine.embedded(directory: paths.cloudDir, account: account)
+  }
+
+  /// The account's key-value store: the server's, or the embedded engine's.
+  public func makeKeyValueService() throws -> KeyValueService {
+    if let config { return HTTPKeyValue(api: try config.api) }
     return try CloudEngine.embedded(directory: paths.cloudDir, account: account)
   }
 }
 
 extension Paths {
   /// The account whose state folders `mount` uses (`local` when nobody is signed in).
-  var activeAccount: String { ((try? AccountConfig.load(self)) ?? nil)?.account ?? AccountName.local }
+  public var activeAccount: String { ((try? AccountConfig.load(self)) ?? nil)?.account ?? AccountName.local }
 }

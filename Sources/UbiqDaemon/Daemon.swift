@@ -6,6 +6,7 @@ import UbiqCore
 import UbiqFS
 import UbiqFSCore
 import UbiqIndex
+import UbiqKV
 import UbiqSync
 
 #if canImport(Glibc)
@@ -15,18 +16,18 @@ import UbiqSync
 /// Everything one mounted container runs: index, content cache, cloud, upload worker and the
 /// FUSE session. Built by `ubiqfs mount --foreground` (directly, or by systemd, or by the
 /// background `ubiqfs mount` which starts it as a detached child).
-final class Daemon {
-  let container: ContainerID
-  let mountpoint: String
-  let paths: Paths
-  let options: MountOptions
-  let uploadDelayMs: Int
-  let pullIntervalMs: Int
-  let downloadLimitBytes: Int64
-  let uploadLimitBytes: Int64
-  var log: Logger
+public final class Daemon {
+  public let container: ContainerID
+  public let mountpoint: String
+  public let paths: Paths
+  public let options: MountOptions
+  public let uploadDelayMs: Int
+  public let pullIntervalMs: Int
+  public let downloadLimitBytes: Int64
+  public let uploadLimitBytes: Int64
+  public var log: Logger
 
-  init(
+  public init(
     container: ContainerID, mountpoint: String, paths: Paths, options: MountOptions, uploadDelayMs: Int,
     pullIntervalMs: Int, downloadLimitBytes: Int64 = 0, uploadLimitBytes: Int64 = 0
   ) {
@@ -42,7 +43,7 @@ final class Daemon {
     log.logLevel = options.debug ? .debug : .info
   }
 
-  func run() throws -> Int32 {
+  public func run() throws -> Int32 {
     // The signed-in server account (HTTPCloud), or the embedded engine's "local" account.
     let cloudSession = try CloudSession.open(paths)
     let account = cloudSession.account
@@ -152,7 +153,7 @@ final class Daemon {
     budgetTimer.resume()
     defer { budgetTimer.cancel() }
     // Key-value store: keep the container's kv mirror synced while mounted.
-    let kvTimer = startKVSyncTimer(paths: paths, session: cloudSession, container: container)
+    let kvTimer = startKeyValueSync(session: cloudSession)
     defer { kvTimer?.cancel() }
     notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
     log.info("mounted \(container) at \(mountpoint) (device \(deviceID))")
@@ -177,7 +178,7 @@ final class Daemon {
   }
 
   /// The cloud creates root and Documents; a fresh index adopts their etags.
-  func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
+  private func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
     let container = self.container
     for id in [WellKnownItem.root, WellKnownItem.documents] {
       guard let row = try index.item(itemID: id), row.etag == nil,
@@ -191,12 +192,29 @@ final class Daemon {
 
   /// The mount point must be a free directory; a mount left stale by a crashed daemon is
   /// detached (systemd restarts the daemon after a crash and ends up here).
-  func checkMountpoint() throws {
+  private func checkMountpoint() throws {
     try MountPoint.prepare(mountpoint) { [log] in log.warning("\($0)") }
   }
 
+  /// Keeps the container's key-value mirror synced while mounted: every `interval` seconds it
+  /// pushes and pulls the mirror of the account the mount uses, so a mounted device propagates
+  /// without kv commands. An unreachable cloud leaves writes queued for a later round.
+  private func startKeyValueSync(session: CloudSession, interval: Double = 1.0) -> DispatchSourceTimer? {
+    let dir = paths.containerDir(account: session.account, container)
+    guard let mirror = try? KVMirror(path: dir.appendingPathComponent("kv.sqlite"), container: container),
+      let service = try? session.makeKeyValueService(),
+      let device = try? mirror.device(suggested: session.config?.device)
+    else { return nil }
+    let sync = KVSync(mirror: mirror, service: service, device: device)
+    let timer = DispatchSource.makeTimerSource(queue: DispatchQueue(label: "ubiqfs.kv-sync", qos: .utility))
+    timer.schedule(deadline: .now() + 0.5, repeating: interval)
+    timer.setEventHandler { try? runBlocking { try await sync.run() } }
+    timer.resume()
+    return timer
+  }
+
   /// Tells systemd (Type=notify) about our state, if it asked.
-  func notifySystemd(_ message: String) {
+  private func notifySystemd(_ message: String) {
     guard let path = ProcessInfo.processInfo.environment["NOTIFY_SOCKET"], !path.isEmpty else { return }
     let fd = socket(AF_UNIX, Int32(SOCK_DGRAM.rawValue) | Int32(SOCK_CLOEXEC.rawValue), 0)
     guard fd >= 0 else { return }

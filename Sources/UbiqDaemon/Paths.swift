@@ -7,11 +7,11 @@ import UbiqCore
 
 /// Where ubiqfs keeps its files on this machine: the state root (per-account, per-container
 /// index and content cache) and the embedded cloud's folder.
-struct Paths {
-  let stateRoot: URL
-  let cloudDir: URL
+public struct Paths {
+  public let stateRoot: URL
+  public let cloudDir: URL
 
-  init(stateDir: String?, cloudDir cloudOverride: String?) {
+  public init(stateDir: String?, cloudDir cloudOverride: String?) {
     let env = ProcessInfo.processInfo.environment
     let root: String
     if let s = stateDir ?? env["UBIQFS_STATE_DIR"] {
@@ -25,12 +25,12 @@ struct Paths {
     self.cloudDir = URL(fileURLWithPath: absolutePath(cloudOverride ?? env["UBIQFS_CLOUD_DIR"] ?? (root + "/cloud")))
   }
 
-  func containerDir(account: String, _ c: ContainerID) -> URL {
+  public func containerDir(account: String, _ c: ContainerID) -> URL {
     stateRoot.appendingPathComponent("accounts").appendingPathComponent(account).appendingPathComponent(c.rawValue)
   }
 
   /// Every container state folder that exists.
-  func allContainerDirs() -> [URL] {
+  public func allContainerDirs() -> [URL] {
     let fm = FileManager.default
     let accounts = stateRoot.appendingPathComponent("accounts")
     var out: [URL] = []
@@ -44,25 +44,33 @@ struct Paths {
 }
 
 /// The running daemon of a container, as recorded in `daemon.json` in its state folder.
-struct DaemonRecord: Codable {
-  var pid: Int32
-  var mountpoint: String
-  var container: String
-  var account: String
-  var startedAt: Date
+public struct DaemonRecord: Codable, Sendable {
+  public var pid: Int32
+  public var mountpoint: String
+  public var container: String
+  public var account: String
+  public var startedAt: Date
 
-  static func load(_ dir: URL) -> DaemonRecord? {
+  public init(pid: Int32, mountpoint: String, container: String, account: String, startedAt: Date) {
+    self.pid = pid
+    self.mountpoint = mountpoint
+    self.container = container
+    self.account = account
+    self.startedAt = startedAt
+  }
+
+  public static func load(_ dir: URL) -> DaemonRecord? {
     guard let d = try? Data(contentsOf: dir.appendingPathComponent("daemon.json")) else { return nil }
     return try? JSONDecoder().decode(DaemonRecord.self, from: d)
   }
 
   /// Forgets the record in `dir` (its daemon is gone and its mount too).
-  static func remove(_ dir: URL) {
+  public static func remove(_ dir: URL) {
     try? FileManager.default.removeItem(at: dir.appendingPathComponent("daemon.json"))
   }
 
   /// False for a record written before the machine last booted: that daemon cannot be running.
-  var startedThisBoot: Bool {
+  public var startedThisBoot: Bool {
     guard let text = try? String(contentsOfFile: "/proc/stat", encoding: .utf8),
       let line = text.split(separator: "\n").first(where: { $0.hasPrefix("btime ") }),
       let boot = Double(line.dropFirst("btime ".count).trimmingCharacters(in: .whitespaces))
@@ -72,7 +80,7 @@ struct DaemonRecord: Codable {
   }
 
   /// True while the process exists and is not a zombie waiting to be reaped.
-  var isAlive: Bool {
+  public var isAlive: Bool {
     guard kill(pid, 0) == 0 || errno == EPERM else { return false }
     guard let stat = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8),
       let close = stat.lastIndex(of: ")")
@@ -81,7 +89,7 @@ struct DaemonRecord: Codable {
   }
 }
 
-func absolutePath(_ p: String) -> String {
+public func absolutePath(_ p: String) -> String {
   let url =
     p.hasPrefix("/")
     ? URL(fileURLWithPath: p) : URL(fileURLWithPath: FileManager.default.currentDirectoryPath).appendingPathComponent(p)
@@ -89,13 +97,13 @@ func absolutePath(_ p: String) -> String {
 }
 
 /// Mount table entries (from /proc/self/mountinfo).
-enum MountTable {
-  struct Entry {
-    var mountpoint: String
-    var fstype: String
+public enum MountTable {
+  public struct Entry {
+    public var mountpoint: String
+    public var fstype: String
   }
 
-  static func entries() -> [Entry] {
+  public static func entries() -> [Entry] {
     guard let text = try? String(contentsOfFile: "/proc/self/mountinfo", encoding: .utf8) else { return [] }
     return text.split(separator: "\n").compactMap { line in
       let parts = line.split(separator: " ")
@@ -104,7 +112,7 @@ enum MountTable {
     }
   }
 
-  static func unescape(_ s: String) -> String {
+  public static func unescape(_ s: String) -> String {
     var out = ""
     var it = s.makeIterator()
     while let c = it.next() {
@@ -119,26 +127,9 @@ enum MountTable {
     return out
   }
 
-  static func isUbiqMount(_ path: String) -> Bool {
+  public static func isUbiqMount(_ path: String) -> Bool {
     entries().contains { $0.mountpoint == path && $0.fstype == "fuse.ubiqfs" }
   }
 
-  static func isMounted(_ path: String) -> Bool { entries().contains { $0.mountpoint == path } }
-}
-
-/// Writes a message to standard error.
-func eprint(_ s: String) {
-  FileHandle.standardError.write(Data((s + "\n").utf8))
-}
-
-/// Human-readable byte counts.
-func formatBytes(_ n: Int64) -> String {
-  let units = ["B", "KiB", "MiB", "GiB", "TiB"]
-  var v = Double(n)
-  var i = 0
-  while v >= 1024 && i < units.count - 1 {
-    v /= 1024
-    i += 1
-  }
-  return i == 0 ? "\(n) B" : String(format: "%.1f %@", v, units[i])
+  public static func isMounted(_ path: String) -> Bool { entries().contains { $0.mountpoint == path } }
 }
