@@ -8,7 +8,8 @@ Starts one server (embedded engine) on a loopback port, one account, two devices
 state folders, separate daemons), and measures create / modify / rename / delete visibility
 on B by polling every 5 ms. Everything it starts is stopped at the end, even on failure.
 
-bench/bench.py imports `measure` and `pct` from here for its propagation rows.
+bench/group_propagation.py imports `measure`, `pct` and `lost` from here for the propagation rows
+of bench/bench.py.
 """
 
 from __future__ import annotations
