@@ -8,6 +8,7 @@ compare what reached the cloud with what the mount shows.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -494,6 +495,23 @@ def _teardown_root(u: Ubiq) -> list[str]:
     if CLOUD_MODE != "embedded" and u.cloud_key == u._own_cloud:
         _stop_cloud(u._own_cloud)
     return problems
+
+
+@contextlib.contextmanager
+def another_device(first: Ubiq, tmp_path_factory, name: str):
+    """A second device of `first`'s account: its own state folder and mount point, the same
+    cloud. When the block ends, everything it mounted or started is stopped, and a mount left
+    behind fails the test."""
+    root = tmp_path_factory.mktemp(name)
+    _ROOTS.append(root)
+    device = Ubiq(root)
+    device.cloud = first.cloud
+    device.env["UBIQFS_CLOUD_DIR"] = str(first.cloud)
+    try:
+        yield device
+    finally:
+        problems = _teardown_root(device)
+        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
 @pytest.fixture

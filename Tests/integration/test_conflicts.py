@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import Ubiq, _ROOTS, _teardown_root, ubiq_mounts
+from conftest import Ubiq, another_device
 from test_devices_and_content import wait_for
 
 DELAY = ["--upload-delay-ms", "1500", "--pull-interval-ms", "100"]
@@ -22,17 +22,9 @@ def pair(ubiq, tmp_path_factory):
     """Two devices of one account whose uploads wait 1.5 s, so edits can really be concurrent."""
     ubiq.unmount()
     ubiq.mount(*DELAY)
-    root = tmp_path_factory.mktemp("peer")
-    _ROOTS.append(root)
-    d2 = Ubiq(root)
-    d2.cloud = ubiq.cloud
-    d2.env["UBIQFS_CLOUD_DIR"] = str(ubiq.cloud)
-    try:
+    with another_device(ubiq, tmp_path_factory, "peer") as d2:
         d2.mount(*DELAY)
         yield ubiq, d2
-    finally:
-        problems = _teardown_root(d2)
-        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
 def settle(a: Ubiq, b: Ubiq, rounds: int = 2):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import UBIQFS_BIN, Ubiq, _ROOTS, _teardown_root, ubiq_mounts
+from conftest import Ubiq, another_device, ubiq_mounts
 from helpers import sha256, sha256_file
 
 
@@ -32,18 +32,10 @@ def wait_for(predicate, timeout=10.0, interval=0.05, what="condition"):
 @pytest.fixture
 def device2(ubiq, tmp_path_factory):
     """A second device: its own state folder and mount, the first device's cloud."""
-    root = tmp_path_factory.mktemp("device2")
-    _ROOTS.append(root)
-    d2 = Ubiq(root)
-    d2.cloud = ubiq.cloud
-    d2.env["UBIQFS_CLOUD_DIR"] = str(ubiq.cloud)
-    d2.mount_args = ["--upload-delay-ms", "100", "--pull-interval-ms", "100"]
-    try:
+    with another_device(ubiq, tmp_path_factory, "device2") as d2:
+        d2.mount_args = ["--upload-delay-ms", "100", "--pull-interval-ms", "100"]
         d2.mount()
         yield d2
-    finally:
-        problems = _teardown_root(d2)
-        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
 def test_busy_reader_on_second_device_ends_on_the_newest_content(ubiq, device2):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import CLOUD_MODE, UBIQFS_BIN, _ROOTS, _cloud_account, _teardown_root, Ubiq, ubiq_mounts
+from conftest import CLOUD_MODE, UBIQFS_BIN, _cloud_account, another_device
 
 SERVER_ONLY = pytest.mark.skipif(
     CLOUD_MODE == "embedded",
@@ -21,17 +21,9 @@ SERVER_ONLY = pytest.mark.skipif(
 @pytest.fixture
 def peer(ubiq, tmp_path_factory):
     """A second device of the same account (not mounted: the key-value store needs no mount)."""
-    root = tmp_path_factory.mktemp("kvpeer")
-    _ROOTS.append(root)
-    d2 = Ubiq(root)
-    d2.cloud = ubiq.cloud
-    d2.env["UBIQFS_CLOUD_DIR"] = str(ubiq.cloud)
-    try:
+    with another_device(ubiq, tmp_path_factory, "kvpeer") as d2:
         d2.ensure_cloud()
         yield d2
-    finally:
-        problems = _teardown_root(d2)
-        assert not [m for m in ubiq_mounts() if m.startswith(str(root))], problems
 
 
 def kv(dev, *args, check=True):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CLOUD_MODE, UBIQFS_BIN, Ubiq, _ROOTS, _teardown_root, ubiq_mounts
+from conftest import CLOUD_MODE, UBIQFS_BIN, Ubiq, _ROOTS, _teardown_root, another_device, ubiq_mounts
 from helpers import sha256
 from test_devices_and_content import wait_for
 
@@ -307,12 +307,7 @@ def test_fsynced_writes_survive_power_loss_of_the_client(world, tmp_path_factory
     mine = {p.name: p.read_bytes() for p in u.docs.iterdir() if p.is_file()}
     for p in u.docs.iterdir():
         assert Ubiq.xattr(p, "user.ubiq.uploaded") == "1", f"{p.name} not uploaded after sync --wait"
-    root2 = tmp_path_factory.mktemp("powerloss-device2")
-    _ROOTS.append(root2)
-    d2 = Ubiq(root2)
-    d2.cloud = u.cloud
-    d2.env["UBIQFS_CLOUD_DIR"] = str(u.cloud)
-    try:
+    with another_device(u, tmp_path_factory, "powerloss-device2") as d2:
         d2.mount()
         d2.sync(timeout=60)
         wait_for(lambda: sorted(p.name for p in d2.docs.iterdir()) == sorted(mine), timeout=30,
@@ -320,8 +315,6 @@ def test_fsynced_writes_survive_power_loss_of_the_client(world, tmp_path_factory
         theirs = {name: (d2.docs / name).read_bytes() for name in mine}
         differ = [n for n in mine if sha256(theirs[n]) != sha256(mine[n])]
         assert not differ, f"device 2 has other bytes for {differ[:10]}"
-    finally:
-        _teardown_root(d2)
 
 
 @pytest.mark.skipif(CLOUD_MODE != "server", reason="the server's power loss runs once, in the server mode")
