@@ -164,37 +164,83 @@ struct ServerCommand: ParsableCommand {
         it never deletes. Repairs are ordinary commits, so clients pick them up from the change feed.
         """)
     @Flag(help: "Repair what is found (moves and renames only).") var repair = false
+    @Flag(
+      help: """
+        One JSON object per container instead of text: {account, container, problems, repaired, remaining}.
+        """)
+    var json = false
     @OptionGroup var storage: StorageOptions
+
+    /// What the check found in one container.
+    struct ContainerResult: Codable, Sendable {
+      var account: String
+      var container: String
+      var problems: [String]
+      var repaired: Int
+      /// Problems left after the repair (all of them without --repair).
+      var remaining: Int
+    }
+
+    /// How far the check is, on a terminal.
+    struct Report: ProgressReport {
+      var containersDone: Int
+      var containersTotal: Int
+      var problems: Int
+      var done: Bool
+
+      var line: String {
+        "checking trees: \(containersDone)/\(containersTotal) containers, \(problems) problem\(problems == 1 ? "" : "s")"
+      }
+    }
 
     func run() throws {
       try cli {
         let repair = self.repair
-        let (lines, remaining) = try storage.withBackend { backend -> ([String], Int) in
-          var lines: [String] = []
-          var remaining = 0
+        // Progress only on a terminal; with --json stdout carries the results.
+        let progress = ProgressPrinter<Report>(style: json ? .silent : .choose(json: false))
+        let results = try storage.withBackend { backend -> [ContainerResult] in
+          var todo: [(String, String)] = []
           for account in try await backend.metadata.accounts() {
-            let engine = backend.engine(account: account)
-            for c in try await engine.containers() {
-              let container = try ContainerID(c)
-              let report = try await engine.checkTree(container, repair: repair)
-              lines += report.problems.map { "\(account)\t\(c)\t\($0)" }
-              if repair && report.repaired > 0 {
-                lines.append("\(account)\t\(c)\trepaired \(report.repaired)")
-                remaining += try await engine.checkTree(container, repair: false).problems.count
-              } else {
-                remaining += report.problems.count
-              }
-            }
+            for c in try await backend.engine(account: account).containers() { todo.append((account, c)) }
           }
-          return (lines, remaining)
+          var results: [ContainerResult] = []
+          var problems = 0
+          for (account, c) in todo {
+            progress.report(
+              .init(containersDone: results.count, containersTotal: todo.count, problems: problems, done: false))
+            let engine = backend.engine(account: account)
+            let container = try ContainerID(c)
+            let report = try await engine.checkTree(container, repair: repair)
+            var remaining = report.problems.count
+            if repair && report.repaired > 0 {
+              remaining = try await engine.checkTree(container, repair: false).problems.count
+            }
+            problems += report.problems.count
+            results.append(
+              ContainerResult(
+                account: account, container: c, problems: report.problems.map { "\($0)" }, repaired: report.repaired,
+                remaining: remaining))
+          }
+          return results
         }
-        for line in lines { print(line) }
+        progress.clearLine()
+        let remaining = results.reduce(0) { $0 + $1.remaining }
+        if json {
+          let encoder = JSONEncoder()
+          encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+          for result in results { print(String(decoding: try encoder.encode(result), as: UTF8.self)) }
+        } else {
+          for r in results {
+            for problem in r.problems { print("\(r.account)\t\(r.container)\t\(problem)") }
+            if r.repaired > 0 { print("\(r.account)\t\(r.container)\trepaired \(r.repaired)") }
+          }
+        }
         if remaining > 0 {
           eprint(
             "ubiqfs: \(remaining) tree problem\(remaining == 1 ? "" : "s") left\(repair ? "" : " (run with --repair)")")
           throw ExitCode.failure
         }
-        print("tree check: no problems left")
+        if !json { print("tree check: no problems left in \(results.count) container\(results.count == 1 ? "" : "s")") }
       }
     }
   }

@@ -290,8 +290,17 @@ def test_server_check_reports_and_repairs_bad_trees(storage, api):
     assert found.returncode != 0, found
     out = found.stdout + found.stderr
     assert "orphan" in out and "cy1" in out and "cy2" in out, out
-    repaired = run_cli(*check, "--repair", env_extra=storage.env(), check=False)
+    # --json: one object per container, the damaged one with its problems.
+    found_json = run_cli(*check, "--json", env_extra=storage.env(), check=False)
+    assert found_json.returncode != 0, found_json
+    mine = [r for r in map(json.loads, found_json.stdout.splitlines()) if r["account"] == api.account and r["container"] == C]
+    assert len(mine) == 1, found_json.stdout
+    assert mine[0]["remaining"] == len(mine[0]["problems"]) > 0 and mine[0]["repaired"] == 0, mine
+    assert any("orphan" in p for p in mine[0]["problems"]) and any("cy1" in p for p in mine[0]["problems"]), mine
+    repaired = run_cli(*check, "--repair", "--json", env_extra=storage.env(), check=False)
     assert repaired.returncode == 0, repaired
+    mine = [r for r in map(json.loads, repaired.stdout.splitlines()) if r["container"] == C and r["account"] == api.account]
+    assert mine[0]["repaired"] > 0 and mine[0]["remaining"] == 0, repaired.stdout
     assert run_cli(*check, env_extra=storage.env(), check=False).returncode == 0
     # Nothing was deleted: the orphan and the cycle's members now live in Documents/lost+found;
     # the cycle's other children stay where they were.
