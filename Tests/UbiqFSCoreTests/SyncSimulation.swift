@@ -740,6 +740,39 @@ final class SyncSimulation {
     }
   }
 
+  @Test func anAtomicSavePreparedInTheSameBatchAsTheFileItReplacesStaysCurrent() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      // v2 of f and the editor's temporary file are both queued, so the uploader prepares
+      // them together; while v2's commit is sent, the temporary file is renamed over f.
+      try a.writeFile("f", Data("v2, being uploaded\n".utf8))
+      let v3 = Data("v3 saved over f\n".utf8)
+      try a.writeFile("f.tmp", v3)
+      let saved = OutcomeBox()
+      hooked.beforeWrite = { _ in
+        guard saved.get() == nil else { return }
+        saved.set("saved")
+        try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
+      }
+      try a.drainUploads()
+      try a.pull()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try w.readFile("f") == v3, "the last save is current")
+        #expect(try w.index.item(try #require(try w.inode("f")))!.conflictList.isEmpty, "one device, no conflict")
+        #expect(try w.inode("f.tmp") == nil, "the temporary name is gone everywhere")
+      }
+      let container = a.container
+      let live = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
+        .filter { !$0.deleted && $0.kind == .file }
+      #expect(live.map(\.name) == ["f"], "the cloud holds f only: \(live.map(\.name))")
+    }
+  }
+
   @Test func aStaleRecordOfThisDevicesOwnUploadNeverTakesALocalFilesName() async throws {
     try await onOwnThread {
       // Found by the power-loss test (seed 192439083): a file uploaded, then replaced here by an
