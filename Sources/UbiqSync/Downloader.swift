@@ -66,7 +66,7 @@ public final class ContentStream: @unchecked Sendable {
   private var done: [Bool]
   private var doneCount = 0
   private var inFlight: Set<Int> = []
-  /// Chunks a reader waits for, fetched before any other.
+  /// Chunks readers wait for, in the order they asked, fetched before any other.
   private var wanted: [Int] = []
   /// The read-ahead window of the latest reads: chunks from `aheadNext` up to `aheadEnd` are
   /// fetched after those readers wait for.
@@ -142,8 +142,10 @@ public final class ContentStream: @unchecked Sendable {
     let range = chunkRange(off, len)
     return cond.withLock {
       if isStopped || failure != nil { return false }
-      let missing = range.filter { !done[$0] && !inFlight.contains($0) }
-      wanted.insert(contentsOf: missing, at: 0)
+      // First come, first served: a reader already waiting keeps its place ahead of newer
+      // reads, so a stream of new readers cannot starve it.
+      let missing = range.filter { !done[$0] && !inFlight.contains($0) && !wanted.contains($0) }
+      wanted.append(contentsOf: missing)
       if !range.isEmpty && fetchAheadTo > 0 {
         let start = range.upperBound
         let end = max(start, chunkIndex(containing: max(0, min(size, fetchAheadTo) - 1)) + 1)

@@ -205,6 +205,44 @@ import UbiqIndex
 }
 
 /// A result handed from one thread to another.
+/// The order in which a download starts its chunks, driven directly: no cloud, no file.
+@Suite struct ContentStreamSchedulingTests {
+  /// A stream of 64 chunks of 1 MiB (its file descriptor is never written here).
+  static func stream() -> ContentStream {
+    let chunks = (0..<64).map { ChunkRef(hash: "c\($0)", length: 1 << 20) }
+    return ContentStream(inode: 1, manifest: nil, size: 64 << 20, chunks: chunks, fd: -1)
+  }
+
+  @Test func aWaitingReaderIsServedWhileNewReadersKeepArriving() {
+    let s = Self.stream()
+    // The first chunk goes alone; then two fetches run at once.
+    _ = s.request(0, 1, fetchAheadTo: 0)
+    for i in s.startableChunks(parallelism: 2) { s.complete(i) }
+    // A reader waits for chunk 40; new random readers then arrive faster than chunks land.
+    _ = s.request(40 << 20, 1, fetchAheadTo: 0)
+    var started: [Int] = []
+    for round in 0..<20 {
+      _ = s.request(Int64(round + 1) << 20, 1, fetchAheadTo: 0)
+      _ = s.request(Int64(round + 21) << 20, 1, fetchAheadTo: 0)
+      let picked = s.startableChunks(parallelism: 2)
+      started += picked
+      for i in picked { s.complete(i) }
+    }
+    #expect(started.prefix(2).contains(40), "the waiting reader's chunk goes first, not after newer reads: \(started)")
+  }
+
+  @Test func aChunkAskedForTwiceStartsOnce() {
+    let s = Self.stream()
+    _ = s.request(0, 1, fetchAheadTo: 0)
+    for i in s.startableChunks(parallelism: 4) { s.complete(i) }
+    _ = s.request(5 << 20, 1, fetchAheadTo: 0)
+    _ = s.request(6 << 20, 1, fetchAheadTo: 0)
+    _ = s.request(5 << 20, 1, fetchAheadTo: 0)
+    #expect(s.startableChunks(parallelism: 4) == [5, 6])
+    #expect(s.startableChunks(parallelism: 4) == [])
+  }
+}
+
 final class OutcomeBox: @unchecked Sendable {
   private let lock = NSLock()
   private var value: String?
