@@ -271,7 +271,12 @@ public final class UploadWorker: @unchecked Sendable {
     lock.withLock { sending[inode] = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
     if row.kind == .file {
-      if row.content == .cached {
+      if row.content == .cached && row.size == 0 && !cache.exists(inode) {
+        // An empty file gets its cache file only when something opens it (one that arrived
+        // from the cloud, say): its content is known without one, and no bytes can be lost.
+        chunks = []
+        try index.clearContentUnsynced(inode, upTo: row.revision)
+      } else if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
         if size != row.size {
           // The cache file and the index disagree: either a flush landed after the snapshot

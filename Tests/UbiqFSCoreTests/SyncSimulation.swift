@@ -773,6 +773,25 @@ final class SyncSimulation {
     }
   }
 
+  @Test func anEmptyFileFromAnotherDeviceCanBeRenamedBeforeItIsOpened() async throws {
+    try await onOwnThread {
+      // An empty file arrives as content "cached" with no cache file (nothing to download); the
+      // rename's upload must not need one. Found by the power-loss soak (seed 667674470): a
+      // stale empty record renamed to yield its name failed to upload forever.
+      let (a, b, _) = try CoreWorld.pair()
+      try a.writeFile("empty", Data())
+      try a.drainUploads()
+      try b.pull()
+      try b.core.rename(parent: b.documents, name: "empty", newParent: b.documents, newName: "renamed", flags: [])
+      try b.drainUploads()
+      #expect(try b.index.pendingCount(under: b.documents) == 0, "the rename is uploaded")
+      try a.pull()
+      #expect(try a.inode("renamed") != nil && a.inode("empty") == nil)
+      #expect(try a.readFile("renamed") == Data())
+      #expect(try b.readFile("renamed") == Data())
+    }
+  }
+
   @Test func aStaleRecordOfThisDevicesOwnUploadNeverTakesALocalFilesName() async throws {
     try await onOwnThread {
       // Found by the power-loss test (seed 192439083): a file uploaded, then replaced here by an

@@ -90,6 +90,19 @@ def test_second_device_sees_creates_edits_moves_and_deletes(ubiq, device2):
     wait_for(lambda: not (ubiq.docs / "notes" / "a.txt").exists(), what="delete on device 1")
 
 
+def test_an_empty_file_from_another_device_renamed_before_it_is_opened_uploads(ubiq, device2):
+    """`touch` on one device, `mv` on the other: an empty file arrives with no cache file, and
+    the rename's upload must not wait for one."""
+    (ubiq.docs / "empty").touch()
+    ubiq.sync()
+    wait_for(lambda: (device2.docs / "empty").exists(), timeout=15, what="the empty file on device 2")
+    os.rename(device2.docs / "empty", device2.docs / "renamed")
+    device2.sync(timeout=20)
+    wait_for(lambda: (ubiq.docs / "renamed").exists() and not (ubiq.docs / "empty").exists(), timeout=15,
+             what="the rename on device 1")
+    assert (ubiq.docs / "renamed").read_bytes() == b"" == (device2.docs / "renamed").read_bytes()
+
+
 def test_fresh_device_rebuilds_tree_from_cloud(ubiq, device2):
     for i in range(20):
         (ubiq.docs / f"f{i:02}.txt").write_text(f"file {i}\n")
