@@ -13,6 +13,7 @@
 #                                   of the client test with UBIQ_POWER_LOSSES power losses each
 #                                   (default 10, a new seed per round), and every fifth round the
 #                                   server test, until HOURS have passed or a round fails.
+#                                   UBIQFS_BIN=PATH runs that binary instead of building one.
 #
 # Every round prints its sequence and step counts (durability: its seed and power losses). A
 # failure prints the shrunk step list and the seed (`.fixedSeed("…")`) that replays it; the run
@@ -31,7 +32,10 @@ case "$what" in
 esac
 
 log="$(mktemp "${TMPDIR:-/tmp}/ubiqfs-soak-$what.XXXXXX.log")"
-if ! build_log="$(swift build --build-tests 2>&1)"; then
+if [ "$what" = durability ] && [ -n "${UBIQFS_BIN:-}" ]; then
+  # A given binary (a copy, so the soak can run while the checkout is rebuilt).
+  [ -x "$UBIQFS_BIN" ] || { echo "soak: UBIQFS_BIN=$UBIQFS_BIN is not an executable" >&2; exit 1; }
+elif ! build_log="$(swift build --build-tests 2>&1)"; then
   echo "$build_log" | grep -E "error" >&2
   echo "soak: build failed" >&2
   exit 1
@@ -39,7 +43,7 @@ fi
 deadline=$(( $(date +%s) + $(awk "BEGIN { printf \"%d\", $hours * 3600 }") ))
 
 if [ "$what" = durability ]; then
-  export UBIQFS_BIN="$PWD/.build/debug/ubiqfs"
+  export UBIQFS_BIN="${UBIQFS_BIN:-$PWD/.build/debug/ubiqfs}"
   export UBIQFS_POWER_LOSS_ROUNDS="${UBIQ_POWER_LOSSES:-10}"
   rounds=0
   losses=0
