@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""ubiqfs benchmarks, side by side: native ext4 (a folder under /var/tmp), ubiqfs (embedded
-cloud on the same disk) and rclone mount (--vfs-cache-mode full over a local folder).
+"""ubiqfs benchmarks, side by side: native ext4 (a folder under /var/tmp), the FUSE limit
+(libfuse's passthrough_hp example over a folder on the same disk, built from shared/fuse-limit),
+ubiqfs (embedded cloud on the same disk) and rclone mount (--vfs-cache-mode full over a local
+folder).
 Not part of the test suite.
 
     python3 bench/bench.py [--quick] [--only GROUP ...] [--results bench/results.json]
@@ -54,6 +56,7 @@ def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = Non
     w = World(tmp, baseline_bin)
     try:
         w.mount_ubiq()
+        w.mount_fuse_limit()
         w.mount_rclone()
         targets = w.targets()
         for group in groups:
@@ -66,6 +69,7 @@ def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = Non
             print(f"[{group}] done in {secs:.0f} s", flush=True)
     finally:
         w.unmount_ubiq()
+        w.unmount_fuse_limit()
         w.unmount_rclone()
         shutil.rmtree(tmp, ignore_errors=True)
 

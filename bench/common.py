@@ -17,7 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(os.environ.get("UBIQFS_BIN", ROOT / ".build" / "release" / "ubiqfs"))
 MIB = 1024 * 1024
 GROUPS = ["io", "metadata", "bigdir", "tree", "content", "durability", "propagation"]
-TARGET_NAMES = ["ext4", "ubiqfs", "rclone"]
+TARGET_NAMES = ["ext4", "fuse_limit", "ubiqfs", "rclone"]
+# libfuse's passthrough_hp over ext4: the fastest any FUSE filesystem can be on this kernel.
+FUSE_LIMIT_SRC = Path(os.environ.get("UBIQFS_FUSE_LIMIT_SRC", ROOT.parent / "shared" / "fuse-limit"))
+FUSE_LIMIT_BIN = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ubiqfs" / "fuse-limit" / "passthrough_hp"
 # An older ubiqfs build (--baseline), measured by the groups that compare builds.
 VALUE_NAMES = TARGET_NAMES + ["baseline"]
 DRAIN_TIMEOUT_S = 3600
@@ -146,8 +149,11 @@ class World:
         self.rclone_src = tmp / "rclone-src"
         self.rclone_mnt = tmp / "rclone-mnt"
         self.rclone_proc = None
+        self.limit_src = tmp / "fuse-limit-src"
+        self.limit_mnt = tmp / "fuse-limit-mnt"
+        self.limit_proc = None
         self.native = tmp / "native"
-        for d in (self.ubiq_mnt, self.rclone_src, self.rclone_mnt, self.native):
+        for d in (self.ubiq_mnt, self.rclone_src, self.rclone_mnt, self.native, self.limit_src, self.limit_mnt):
             d.mkdir(parents=True, exist_ok=True)
 
     def ubiq(self, *args, check=True):
@@ -185,6 +191,28 @@ class World:
         if mounted(self.baseline_mnt):
             subprocess.run(["fusermount3", "-uz", str(self.baseline_mnt)], check=False)
 
+    def mount_fuse_limit(self):
+        """libfuse's passthrough_hp over a folder on the same disk (built once from
+        shared/fuse-limit into ~/.cache/ubiqfs/fuse-limit)."""
+        if not os.access(FUSE_LIMIT_BIN, os.X_OK):
+            sh("bash", FUSE_LIMIT_SRC / "build.sh", FUSE_LIMIT_BIN.parent)
+        self.limit_proc = subprocess.Popen(
+            [str(FUSE_LIMIT_BIN), "--foreground", str(self.limit_src), str(self.limit_mnt)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.time() + 20
+        while time.time() < deadline and not mounted(self.limit_mnt):
+            time.sleep(0.1)
+        if not mounted(self.limit_mnt):
+            raise RuntimeError("passthrough_hp did not mount")
+
+    def unmount_fuse_limit(self):
+        if mounted(self.limit_mnt):
+            subprocess.run(["fusermount3", "-u", str(self.limit_mnt)], check=False)
+        if self.limit_proc:
+            propagation.stop(self.limit_proc)
+        if mounted(self.limit_mnt):
+            subprocess.run(["fusermount3", "-uz", str(self.limit_mnt)], check=False)
+
     def mount_rclone(self):
         self.rclone_proc = subprocess.Popen(
             ["rclone", "mount", str(self.rclone_src), str(self.rclone_mnt), "--vfs-cache-mode", "full",
@@ -207,6 +235,7 @@ class World:
     def targets(self):
         return [
             Target("ext4", self.native),
+            Target("fuse_limit", self.limit_mnt),
             Target("ubiqfs", self.ubiq_mnt / "Documents", self.drain_ubiq),
             Target("rclone", self.rclone_mnt),
         ]
