@@ -55,11 +55,16 @@ GIT = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "-c",
 
 
 def tree_on(t: Target, tarball: Path):
-    """tar xf; upload drain; git init+add+commit; git status (caches dropped, then warm); rm -rf."""
+    """tar xf; upload drain; ls -lR (warm); find -type f (caches dropped); git init+add+commit;
+    git status (caches dropped, then warm); rm -rf."""
     d = t.path / "tree"
     d.mkdir()
     r = {"untar": timed(lambda: sh("tar", "xf", tarball, "--no-same-owner", "-C", d))}
     r["drain"] = timed(t.drain)
+    sh("ls", "-lR", d, capture=False)  # untimed: warms the caches
+    r["lslr"] = timed(lambda: sh("ls", "-lR", d, capture=False))
+    drop_caches()
+    r["find_cold"] = timed(lambda: sh("find", d, "-type", "f", capture=False))
     r["commit"] = timed(lambda: (sh(*GIT, "init", "-q", cwd=d), sh(*GIT, "add", "-A", cwd=d),
                                  sh(*GIT, "commit", "-q", "-m", "tree", cwd=d)))
     t.drain()  # untimed: .git objects go up before status is measured
@@ -83,6 +88,8 @@ def tree_rows(w: World, targets, sz: Sizes, rec: Recorder):
     rec.row("untar", f"untar tree ({what}), tar xf only", "s", pick("untar"), higher_is_better=False)
     rec.row("untar_drain", "untar tree: upload drain after tar xf (separate)", "s",
             pick("drain", ("ubiqfs",)), higher_is_better=False)
+    rec.row("ls_lr_tree", "tree: ls -lR (warm)", "s", pick("lslr"), higher_is_better=False)
+    rec.row("find_tree_cold", "tree: find -type f (caches dropped)", "s", pick("find_cold"), higher_is_better=False)
     rec.row("git_commit", "tree: git init + add -A + commit", "s", pick("commit"), higher_is_better=False)
     rec.row("git_status_cold", "tree: git status (caches dropped)", "s", pick("status_cold"), higher_is_better=False)
     rec.row("git_status_warm", "tree: git status (warm, 2nd run)", "s", pick("status_warm"), higher_is_better=False)
