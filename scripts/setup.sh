@@ -34,11 +34,19 @@ lazyfs_out="${XDG_CACHE_HOME:-$HOME/.cache}/ubiqfs/lazyfs"
 if [ -x "$lazyfs_src/build.sh" ]; then
   # The build folder remembers the source path it was configured from (CMakeCache.txt) and cmake
   # refuses to reuse it for the same sources at another path, so a folder from another checkout
-  # location is dropped and the build starts over.
+  # location is dropped and the build starts over. The binary goes with it: it loads its page
+  # cache library (libpcache.so) from that folder.
   for cache in "$lazyfs_out"/build/*/CMakeCache.txt; do
     [ -f "$cache" ] || continue
-    grep -q "^CMAKE_HOME_DIRECTORY:INTERNAL=$lazyfs_src/" "$cache" || { rm -rf "$lazyfs_out/build"; break; }
+    grep -q "^CMAKE_HOME_DIRECTORY:INTERNAL=$lazyfs_src/" "$cache" || {
+      rm -rf "$lazyfs_out/build" "$lazyfs_out/lazyfs"
+      break
+    }
   done
+  # A binary whose libraries are gone (its build folder removed by hand) is built again too.
+  if [ -x "$lazyfs_out/lazyfs" ] && ldd "$lazyfs_out/lazyfs" | grep -q "not found"; then
+    rm -f "$lazyfs_out/lazyfs"
+  fi
   [ -x "$lazyfs_out/lazyfs" ] || echo "setup: building LazyFS into $lazyfs_out"
   "$lazyfs_src/build.sh" "$lazyfs_out"
 else
