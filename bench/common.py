@@ -132,6 +132,28 @@ class Target:
         self.drain = drain or (lambda: None)
 
 
+def start_fuse_process(argv, mnt: Path, what: str) -> subprocess.Popen:
+    """Starts a FUSE filesystem that runs in the foreground and waits until `mnt` is mounted."""
+    proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 20
+    while time.time() < deadline and not mounted(mnt):
+        time.sleep(0.1)
+    if not mounted(mnt):
+        raise RuntimeError(f"{what} did not mount {mnt}")
+    return proc
+
+
+def stop_fuse_process(proc: subprocess.Popen | None, mnt: Path):
+    """Unmounts `mnt` and stops its process; a mount that stays busy is detached lazily."""
+    if mounted(mnt):
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+    if proc:
+        propagation.stop(proc)
+    if mounted(mnt):
+        subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
 class World:
     """The temporary folder, the ubiqfs mount (embedded cloud) and the rclone mount."""
 
@@ -196,41 +218,19 @@ class World:
         shared/fuse-limit into ~/.cache/ubiqfs/fuse-limit)."""
         if not os.access(FUSE_LIMIT_BIN, os.X_OK):
             sh("bash", FUSE_LIMIT_SRC / "build.sh", FUSE_LIMIT_BIN.parent)
-        self.limit_proc = subprocess.Popen(
-            [str(FUSE_LIMIT_BIN), "--foreground", str(self.limit_src), str(self.limit_mnt)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 20
-        while time.time() < deadline and not mounted(self.limit_mnt):
-            time.sleep(0.1)
-        if not mounted(self.limit_mnt):
-            raise RuntimeError("passthrough_hp did not mount")
+        self.limit_proc = start_fuse_process(
+            [FUSE_LIMIT_BIN, "--foreground", self.limit_src, self.limit_mnt], self.limit_mnt, "passthrough_hp")
 
     def unmount_fuse_limit(self):
-        if mounted(self.limit_mnt):
-            subprocess.run(["fusermount3", "-u", str(self.limit_mnt)], check=False)
-        if self.limit_proc:
-            propagation.stop(self.limit_proc)
-        if mounted(self.limit_mnt):
-            subprocess.run(["fusermount3", "-uz", str(self.limit_mnt)], check=False)
+        stop_fuse_process(self.limit_proc, self.limit_mnt)
 
     def mount_rclone(self):
-        self.rclone_proc = subprocess.Popen(
-            ["rclone", "mount", str(self.rclone_src), str(self.rclone_mnt), "--vfs-cache-mode", "full",
-             "--cache-dir", str(self.tmp / "rclone-cache"), "--config", "/dev/null"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.time() + 20
-        while time.time() < deadline and not mounted(self.rclone_mnt):
-            time.sleep(0.1)
-        if not mounted(self.rclone_mnt):
-            raise RuntimeError("rclone mount did not come up")
+        self.rclone_proc = start_fuse_process(
+            ["rclone", "mount", self.rclone_src, self.rclone_mnt, "--vfs-cache-mode", "full",
+             "--cache-dir", self.tmp / "rclone-cache", "--config", "/dev/null"], self.rclone_mnt, "rclone mount")
 
     def unmount_rclone(self):
-        if mounted(self.rclone_mnt):
-            subprocess.run(["fusermount3", "-u", str(self.rclone_mnt)], check=False)
-        if self.rclone_proc:
-            propagation.stop(self.rclone_proc)
-        if mounted(self.rclone_mnt):
-            subprocess.run(["fusermount3", "-uz", str(self.rclone_mnt)], check=False)
+        stop_fuse_process(self.rclone_proc, self.rclone_mnt)
 
     def targets(self):
         return [
