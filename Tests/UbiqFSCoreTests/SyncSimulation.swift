@@ -714,48 +714,33 @@ final class SyncSimulation {
   }
 
   @Test func anAtomicSaveOverAFileWhoseUploadIsInFlightStaysCurrent() async throws {
-    try await onOwnThread {
-      let (_, b, cloud) = try CoreWorld.pair()
-      let hooked = FlakyCloud(cloud)
-      let a = try CoreWorld(cloud: hooked)
-      try a.writeFile("f", Data("v1\n".utf8))
-      try a.drainUploads()
-      try a.writeFile("f", Data("v2, being uploaded\n".utf8))
-      // While v2's commit is sent, the editor saves v3: a temporary file renamed over f.
-      let v3 = Data("v3 saved over f\n".utf8)
-      let saved = OutcomeBox()
-      hooked.beforeWrite = { _ in
-        guard saved.get() == nil else { return }
-        saved.set("saved")
-        try a.writeFile("f.tmp", v3)
-        try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
-      }
-      try a.drainUploads()
-      try a.pull()
-      try b.pull()
-      for w in [a, b] {
-        #expect(try w.readFile("f") == v3, "the last save is current")
-        #expect(try w.index.item(try #require(try w.inode("f")))!.conflictList.isEmpty, "one device, no conflict")
-      }
-    }
+    try await Self.atomicSaveWhileTheFileItReplacesIsCommitted(temporaryFileQueuedFirst: false)
   }
 
   @Test func anAtomicSavePreparedInTheSameBatchAsTheFileItReplacesStaysCurrent() async throws {
+    try await Self.atomicSaveWhileTheFileItReplacesIsCommitted(temporaryFileQueuedFirst: true)
+  }
+
+  /// v2 of f is being committed when the editor saves v3: a temporary file renamed over f.
+  /// With `temporaryFileQueuedFirst`, the temporary file is written (and queued) before the
+  /// drain, so the uploader prepares it in the same batch as f; otherwise it is written while
+  /// v2's commit is sent. Either way v3 is current on both devices, with no conflict and no
+  /// temporary name left, in the cloud either.
+  static func atomicSaveWhileTheFileItReplacesIsCommitted(temporaryFileQueuedFirst: Bool) async throws {
     try await onOwnThread {
       let (_, b, cloud) = try CoreWorld.pair()
       let hooked = FlakyCloud(cloud)
       let a = try CoreWorld(cloud: hooked)
       try a.writeFile("f", Data("v1\n".utf8))
       try a.drainUploads()
-      // v2 of f and the editor's temporary file are both queued, so the uploader prepares
-      // them together; while v2's commit is sent, the temporary file is renamed over f.
       try a.writeFile("f", Data("v2, being uploaded\n".utf8))
       let v3 = Data("v3 saved over f\n".utf8)
-      try a.writeFile("f.tmp", v3)
+      if temporaryFileQueuedFirst { try a.writeFile("f.tmp", v3) }
       let saved = OutcomeBox()
       hooked.beforeWrite = { _ in
         guard saved.get() == nil else { return }
         saved.set("saved")
+        if !temporaryFileQueuedFirst { try a.writeFile("f.tmp", v3) }
         try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
       }
       try a.drainUploads()
