@@ -16,6 +16,10 @@
 #                                   UBIQFS_BIN=PATH runs that binary instead of building one.
 #                                   A round in which LazyFS itself crashed is reported as void
 #                                   and the soak goes on (it stops after 5 such rounds).
+#                                   A round still running after UBIQ_ROUND_LIMIT seconds
+#                                   (default 900) is a hang: the threads of every ubiqfs and
+#                                   LazyFS process of the round (gdb) and the test's Python
+#                                   stack go to the log, the round is stopped and the soak fails.
 #
 # Every round prints its sequence and step counts (durability: its seed and power losses). A
 # failure prints the shrunk step list and the seed (`.fixedSeed("…")`) that replays it; the run
@@ -47,6 +51,45 @@ deadline=$(( $(date +%s) + $(awk "BEGIN { printf \"%d\", $hours * 3600 }") ))
 if [ "$what" = durability ]; then
   export UBIQFS_BIN="${UBIQFS_BIN:-$PWD/.build/debug/ubiqfs}"
   export UBIQFS_POWER_LOSS_ROUNDS="${UBIQ_POWER_LOSSES:-10}"
+  round_limit="${UBIQ_ROUND_LIMIT:-900}"
+  round_root="$(mktemp -d "${TMPDIR:-/tmp}/soak-round.XXXXXX")"
+  # Every process of a round names a path under $round_root on its command line (mount points,
+  # LazyFS's folders, the server's data folder).
+  round_pids() {
+    local pid
+    for pid in $(pgrep -f -- "$round_root/tmp" || true); do
+      case "$(cat "/proc/$pid/comm" 2>/dev/null)" in ubiqfs | lazyfs) echo "$pid" ;; esac
+    done
+  }
+  dump_round_processes() {
+    local pid
+    echo "==== processes of the hung round"
+    ps -o pid,ppid,stat,etime,args -p "$(round_pids | paste -sd, -)" 2>/dev/null || true
+    for pid in $(round_pids); do
+      echo "==== threads of $(tr '\0' ' ' < "/proc/$pid/cmdline" 2>/dev/null) (pid $pid)"
+      timeout 120 gdb -p "$pid" -batch -nx -ex "set pagination off" -ex "thread apply all bt" 2>&1 \
+        | grep -vE "^\[New LWP|^warning: " || true
+    done
+    echo "==== fuse mounts"
+    grep -F "$round_root" /proc/mounts || true
+    local f
+    for f in $(find "$round_root/tmp" -name daemon.log 2>/dev/null); do
+      echo "==== $f (tail)"
+      tail -n 60 "$f"
+    done
+  }
+  stop_round() {
+    kill -INT "$1" 2>/dev/null || true
+    local i
+    for i in $(seq 30); do kill -0 "$1" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$1" 2>/dev/null || true
+    local m pid
+    for m in $(grep -F "$round_root" /proc/mounts | awk '{print $2}'); do
+      fusermount3 -uz "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+    done
+    for pid in $(round_pids); do kill -KILL "$pid" 2>/dev/null || true; done
+  }
+  trap 'rm -rf "$round_root"' EXIT
   rounds=0
   losses=0
   void=0
@@ -59,8 +102,27 @@ if [ "$what" = durability ]; then
       tests=(Tests/integration/test_power_loss.py::test_acknowledged_uploads_survive_power_loss_of_the_server)
       mode=server
     fi
-    out="$(UBIQFS_POWER_LOSS_SEED=$seed UBIQFS_TEST_CLOUD=$mode python3 -m pytest -q -rs -s -p no:cacheprovider \
-      "${tests[@]}" 2>&1)" && ok=1 || ok=0
+    round_out="$round_root/round.out"
+    UBIQFS_POWER_LOSS_SEED=$seed UBIQFS_TEST_CLOUD=$mode python3 -m pytest -q -rs -s -p no:cacheprovider \
+      -o faulthandler_timeout="$round_limit" --basetemp="$round_root/tmp" "${tests[@]}" > "$round_out" 2>&1 &
+    pytest_pid=$!
+    started=$(date +%s)
+    while kill -0 "$pytest_pid" 2>/dev/null && [ $(( $(date +%s) - started )) -lt "$round_limit" ]; do
+      sleep 2
+    done
+    if kill -0 "$pytest_pid" 2>/dev/null; then
+      # Give faulthandler's Python stack dump a moment to land in the output first.
+      sleep 5
+      dump_round_processes >> "$round_out" 2>&1
+      stop_round "$pytest_pid"
+      cat "$round_out" >> "$log"
+      echo "soak: round $rounds ($mode, seed $seed) HUNG: still running after ${round_limit}s;" \
+        "thread dumps of its processes and the test's stack are in $log; its folders: $round_root" >&2
+      trap - EXIT
+      exit 1
+    fi
+    wait "$pytest_pid" && ok=1 || ok=0
+    out="$(cat "$round_out")"
     echo "$out" >> "$log"
     if echo "$out" | grep -q "skipped"; then
       echo "$out" | tail -5 >&2
