@@ -45,20 +45,42 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   public func missingChunks(_ hashes: [String]) async throws -> Set<String> {
     for h in hashes where !Chunker.isValidHash(h) { throw CloudError.invalid("bad chunk hash '\(h)'") }
     let known = try await metadata.knownChunks(account: account, hashes: hashes)
+    // The client commits soon after: known chunks stay out of collection passes meanwhile.
+    try await metadata.touchChunks(account: account, hashes: Array(known), now: Clock.nowSeconds())
     return Set(hashes).subtracting(known)
   }
 
   public func putChunk(hash: String, data: Data) async throws {
     guard Chunker.isValidHash(hash) else { throw CloudError.invalid("bad chunk hash '\(hash)'") }
     guard Chunker.sha256Hex(data) == hash else { throw CloudError.hashMismatch(hash) }
-    if try await metadata.knownChunks(account: account, hashes: [hash]).contains(hash) { return }
+    let now = Clock.nowSeconds()
+    if try await metadata.knownChunks(account: account, hashes: [hash]).contains(hash) {
+      try await metadata.touchChunks(account: account, hashes: [hash], now: now)
+      return
+    }
+    // A doomed chunk's bytes are being deleted: written now, they could be deleted after.
+    if try await metadata.isChunkDoomed(account: account, hash: hash) {
+      throw CloudError.unavailable("chunk \(hash) is being garbage-collected; retry in a moment")
+    }
     let usage = try await metadata.usage(account: account)
     let (after, overflow) = usage.usedBytes.addingReportingOverflow(Int64(data.count))
     if usage.quotaBytes > 0 && (overflow || after > usage.quotaBytes) {
       throw CloudError.quotaExceeded(usage)
     }
     try await blobs.put(account: account, hash: hash, data: data)
-    try await metadata.recordChunk(account: account, hash: hash, size: Int64(data.count))
+    try await metadata.recordChunk(account: account, hash: hash, size: Int64(data.count), now: now)
+  }
+
+  /// Deletes the account's chunks that no item refers to and that were not used for `grace`
+  /// seconds (uploads in flight touch theirs: see `MetadataStore.touchChunks`). Dooms them,
+  /// deletes their bytes, then forgets them; an interrupted pass is finished by the next one.
+  public func collectGarbage(grace: Int64) async throws -> CollectedChunks {
+    guard grace >= 0 else { throw CloudError.invalid("a grace period cannot be negative") }
+    let (cutoff, overflow) = Clock.nowSeconds().subtractingReportingOverflow(grace)
+    let doomed = try await metadata.doomUnreferencedChunks(account: account, unusedBefore: overflow ? 0 : cutoff)
+    for hash in doomed { try await blobs.delete(account: account, hash: hash) }
+    let bytes = try await metadata.forgetDoomedChunks(account: account, hashes: doomed)
+    return CollectedChunks(chunks: doomed.count, bytes: bytes)
   }
 
   /// The size of one of this account's chunks; `notFound` for a hash it never stored.
@@ -96,7 +118,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     var record = item
     record.deleted = false
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: record, ifMatch: ifMatch, rule: Self.treeRule(for: record))
+      account: account, container: container.rawValue, item: record, ifMatch: ifMatch,
+      chunks: Self.referencedChunks(record), rule: Self.treeRule(for: record))
   }
 
   /// A file version's chunk list: every length positive and equal to the stored chunk's size,
@@ -159,7 +182,15 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     current.xattrs = [:]
     current.deviceID = deviceID
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: current, ifMatch: ifMatch, rule: Self.deleteRule)
+      account: account, container: container.rawValue, item: current, ifMatch: ifMatch,
+      chunks: Self.referencedChunks(current), rule: Self.deleteRule)
+  }
+
+  /// The chunks a record keeps alive: its content's and its conflict versions'.
+  public static func referencedChunks(_ item: CloudItem) -> Set<String> {
+    var hashes = Set(item.chunks.map(\.hash))
+    for v in item.conflicts ?? [] { hashes.formUnion(v.chunks.map(\.hash)) }
+    return hashes
   }
 
   /// A folder is deleted only without live items in it: an item another device added (or moved)

@@ -33,6 +33,15 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
     try await offload { try self.getSync(account: account, hash: hash, range: range) }
   }
 
+  public func delete(account: String, hash: String) async throws {
+    try await offload {
+      let p = self.path(account, hash)
+      if unlink(p) != 0 && errno != ENOENT {
+        throw UbiqError.io("removing chunk \(hash): \(String(cString: strerror(errno)))")
+      }
+    }
+  }
+
   func putSync(account: String, hash: String, data: Data) throws {
     let final = path(account, hash)
     let dir = (final as NSString).deletingLastPathComponent

@@ -74,6 +74,16 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           ALTER TABLE tokens ADD COLUMN expiresAt INTEGER;
           """)
     }
+    migrator.registerMigration("v5-chunk-collection") { db in
+      // When each chunk was last uploaded, asked about or committed (seconds since the epoch;
+      // chunks from before count as used now), and whether a collection pass is deleting it.
+      try db.execute(
+        sql: """
+          ALTER TABLE chunks ADD COLUMN lastUsed INTEGER NOT NULL DEFAULT 0;
+          ALTER TABLE chunks ADD COLUMN doomed INTEGER NOT NULL DEFAULT 0;
+          UPDATE chunks SET lastUsed = CAST(strftime('%s', 'now') AS INTEGER);
+          """)
+    }
     try migrator.migrate(pool)
   }
 
@@ -123,9 +133,9 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?)
-    async throws -> CloudItem
-  {
+  public func commit(
+    account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
+  ) async throws -> CloudItem {
     try await pool.write { db in
       guard try Self.containerExists(db, account, container) else {
         throw CloudError.notFound("container \(container)")
@@ -133,8 +143,30 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       let current = try Self.record(db, account, container, item.itemID)
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
       if let rule { try rule(try Self.treeSnapshot(db, account, container, item)) }
+      try Self.useChunks(db, account, chunks, now: Clock.nowSeconds())
       return try Self.store(db, account, container, item)
     }
+  }
+
+  /// Marks a commit's chunks used, inside its transaction; throws `missingChunks` for any that
+  /// is not a live chunk of the account.
+  static func useChunks(_ db: Database, _ account: String, _ chunks: Set<String>, now: Int64) throws {
+    let hashes = Array(chunks)
+    var missing: [String] = []
+    for batch in stride(from: 0, to: hashes.count, by: 500) {
+      let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
+      let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+      try db.execute(
+        sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
+        arguments: StatementArguments([now as (any DatabaseValueConvertible)?, account] + slice))
+      if db.changesCount != slice.count {
+        let live = try String.fetchAll(
+          db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
+          arguments: StatementArguments([account] + slice))
+        missing += Set(slice).subtracting(live)
+      }
+    }
+    if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
   }
 
   static func record(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws -> CloudItem? {
@@ -233,7 +265,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
         let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
         let got = try String.fetchAll(
-          db, sql: "SELECT hash FROM chunks WHERE account = ? AND hash IN (\(marks))",
+          db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
           arguments: StatementArguments([account] + slice))
         found.formUnion(got)
       }
@@ -249,7 +281,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
         let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
         for row in try Row.fetchAll(
-          db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND hash IN (\(marks))",
+          db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
           arguments: StatementArguments([account] + slice))
         {
           found[row["hash"]] = row["size"]
@@ -262,16 +294,19 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await pool.read { db in
       try Int64.fetchOne(
-        db, sql: "SELECT size FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
+        db, sql: "SELECT size FROM chunks WHERE account = ? AND hash = ? AND doomed = 0", arguments: [account, hash])
     }
   }
 
-  public func recordChunk(account: String, hash: String, size: Int64) async throws {
+  public func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws {
     try await pool.write { db in
       let (used, quota) = try Self.usageRow(db, account)
-      if try Bool.fetchOne(
-        db, sql: "SELECT 1 FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash]) == true
+      if let doomed = try Bool.fetchOne(
+        db, sql: "SELECT doomed FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
       {
+        if doomed { throw CloudError.unavailable("chunk \(hash) is being garbage-collected; retry in a moment") }
+        try db.execute(
+          sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND hash = ?", arguments: [now, account, hash])
         return
       }
       let (total, overflow) = used.addingReportingOverflow(size)
@@ -279,9 +314,76 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try db.execute(
-        sql: "INSERT INTO chunks(account, hash, size) VALUES (?,?,?)", arguments: [account, hash, size])
+        sql: "INSERT INTO chunks(account, hash, size, lastUsed) VALUES (?,?,?,?)",
+        arguments: [account, hash, size, now])
       try db.execute(
         sql: "UPDATE accounts SET usedBytes = usedBytes + ? WHERE name = ?", arguments: [size, account])
+    }
+  }
+
+  public func touchChunks(account: String, hashes: [String], now: Int64) async throws {
+    if hashes.isEmpty { return }
+    try await pool.write { db in
+      for batch in stride(from: 0, to: hashes.count, by: 500) {
+        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
+        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+        try db.execute(
+          sql: """
+            UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND lastUsed < ? AND hash IN (\(marks))
+            """,
+          arguments: StatementArguments(
+            [now as (any DatabaseValueConvertible)?, account, now - 60]
+              + slice.map { $0 as (any DatabaseValueConvertible)? }))
+      }
+    }
+  }
+
+  public func isChunkDoomed(account: String, hash: String) async throws -> Bool {
+    try await pool.read { db in
+      try Bool.fetchOne(
+        db, sql: "SELECT doomed FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash]) == true
+    }
+  }
+
+  public func doomUnreferencedChunks(account: String, unusedBefore: Int64) async throws -> [String] {
+    try await pool.write { db in
+      // One write transaction: no commit can slip in between reading the references and
+      // dooming. Records are read only when some chunk is old enough to go.
+      let stale = try String.fetchAll(
+        db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND lastUsed < ?",
+        arguments: [account, unusedBefore])
+      if !stale.isEmpty {
+        var referenced = Set<String>()
+        let records = try Data.fetchCursor(
+          db, sql: "SELECT record FROM items WHERE account = ?", arguments: [account])
+        while let data = try records.next() {
+          referenced.formUnion(CloudEngine.referencedChunks(try Self.decoder.decode(CloudItem.self, from: data)))
+        }
+        for hash in stale where !referenced.contains(hash) {
+          try db.execute(
+            sql: "UPDATE chunks SET doomed = 1 WHERE account = ? AND hash = ?", arguments: [account, hash])
+        }
+      }
+      return try String.fetchAll(
+        db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 1 ORDER BY hash", arguments: [account])
+    }
+  }
+
+  public func forgetDoomedChunks(account: String, hashes: [String]) async throws -> Int64 {
+    try await pool.write { db in
+      var freed: Int64 = 0
+      for hash in hashes {
+        guard
+          let size = try Int64.fetchOne(
+            db, sql: "SELECT size FROM chunks WHERE account = ? AND hash = ? AND doomed = 1",
+            arguments: [account, hash])
+        else { continue }
+        try db.execute(sql: "DELETE FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
+        freed += size
+      }
+      try db.execute(
+        sql: "UPDATE accounts SET usedBytes = max(0, usedBytes - ?) WHERE name = ?", arguments: [freed, account])
+      return freed
     }
   }
 

@@ -6,6 +6,8 @@ public protocol BlobStore: Sendable {
   func contains(account: String, hash: String) async throws -> Bool
   func put(account: String, hash: String, data: Data) async throws
   func get(account: String, hash: String, range: Range<Int64>?) async throws -> Data
+  /// Removes a chunk's bytes (nothing if they are gone already).
+  func delete(account: String, hash: String) async throws
 }
 
 /// Item records, change sequences, chunk bookkeeping and quotas. SQLite or PostgreSQL.
@@ -19,23 +21,52 @@ public protocol MetadataStore: Sendable {
   /// Stores `item` with a new change sequence number and etag if the current etag matches
   /// `ifMatch` (nil: the item must not exist or be a tombstone). For a live `item`, `rule` is
   /// called with the item's `TreeSnapshot`, read in the same transaction, and its error aborts
-  /// the write. Returns the stored record.
-  func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?) async throws
-    -> CloudItem
+  /// the write. Every hash in `chunks` (the chunks the record refers to) must be a live chunk of
+  /// the account, else `CloudError.missingChunks`; the write marks them used, so a collection
+  /// pass that began earlier leaves them. Returns the stored record.
+  func commit(
+    account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
+  ) async throws -> CloudItem
   func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch
   /// The newest change sequence number of a container (0 if none).
   func lastChange(account: String, container: String) async throws -> Int64
-  /// Which of `hashes` are recorded for the account.
+  /// Which of `hashes` are live chunks of the account (recorded and not doomed).
   func knownChunks(account: String, hashes: [String]) async throws -> Set<String>
+  /// Marks live chunks used at `now` (seconds since the epoch), where their last use is more
+  /// than a minute older: a collection pass leaves chunks used within its grace period.
+  func touchChunks(account: String, hashes: [String], now: Int64) async throws
+  /// True if the chunk is doomed: a collection pass is deleting its bytes. It cannot be stored
+  /// again until the pass has forgotten it.
+  func isChunkDoomed(account: String, hash: String) async throws -> Bool
   /// The size of a chunk recorded for the account (nil if the account has no such chunk).
   func chunkSize(account: String, hash: String) async throws -> Int64?
   /// The recorded sizes of those of `hashes` the account holds.
   func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64]
-  /// Records a stored chunk and charges it to the quota; throws `CloudError.quotaExceeded`
-  /// (and records nothing) if it does not fit.
-  func recordChunk(account: String, hash: String, size: Int64) async throws
+  /// Records a stored chunk, used at `now`, and charges it to the quota; throws
+  /// `CloudError.quotaExceeded` (and records nothing) if it does not fit, and
+  /// `CloudError.unavailable` if the chunk is doomed.
+  func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws
+  /// The first step of a collection pass: in one transaction, dooms every live chunk of the
+  /// account that no item record (of any container, conflict versions included) refers to and
+  /// that was last used before `unusedBefore` (seconds since the epoch). Returns every doomed
+  /// chunk of the account, those of an interrupted earlier pass included.
+  func doomUnreferencedChunks(account: String, unusedBefore: Int64) async throws -> [String]
+  /// The last step of a collection pass, once the doomed chunks' bytes are deleted: forgets
+  /// those of `hashes` that are still doomed and takes their sizes off the account's usage.
+  /// Returns the bytes freed.
+  func forgetDoomedChunks(account: String, hashes: [String]) async throws -> Int64
   func usage(account: String) async throws -> Usage
   func setQuota(account: String, bytes: Int64) async throws
+}
+
+/// What one garbage-collection pass removed from an account.
+public struct CollectedChunks: Codable, Sendable, Equatable {
+  public var chunks: Int
+  public var bytes: Int64
+  public init(chunks: Int, bytes: Int64) {
+    self.chunks = chunks
+    self.bytes = bytes
+  }
 }
 
 /// The part of a container's tree a commit's rule needs, read inside the commit's

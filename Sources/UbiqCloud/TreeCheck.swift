@@ -134,8 +134,9 @@ extension CloudEngine {
         moved.parentID = lostAndFound!.itemID
         moved.name = try await freeName(container, parentID: lostAndFound!.itemID, item.name)
       }
+      // A move keeps the record's chunks: nothing for a collection pass to race with.
       _ = try await metadata.commit(
-        account: account, container: container.rawValue, item: moved, ifMatch: item.etag,
+        account: account, container: container.rawValue, item: moved, ifMatch: item.etag, chunks: [],
         rule: Self.treeRule(for: moved))
       repaired += 1
     }
@@ -162,7 +163,8 @@ extension CloudEngine {
       itemID: id, parentID: WellKnownItem.documents, name: Self.lostAndFoundName, kind: .directory, mode: 0o700,
       size: 0, mtimeNs: Clock.nowNs(), deviceID: deviceID)
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: folder, ifMatch: nil, rule: Self.treeRule(for: folder))
+      account: account, container: container.rawValue, item: folder, ifMatch: nil, chunks: [],
+      rule: Self.treeRule(for: folder))
   }
 
   /// `name`, or "name 2", "name 3", ... : the first no live item of `parentID` has.

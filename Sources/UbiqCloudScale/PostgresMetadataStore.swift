@@ -246,6 +246,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     UPDATE items SET parent_id = record::jsonb->>'parentID', name = record::jsonb->>'name' WHERE name IS NULL
     """,
     "CREATE INDEX IF NOT EXISTS items_by_parent ON items(account, container, parent_id, name)",
+    // When each chunk was last uploaded, asked about or committed (seconds since the epoch;
+    // chunks from before count as used now), and whether a collection pass is deleting it.
+    "ALTER TABLE chunks ADD COLUMN IF NOT EXISTS last_used BIGINT NOT NULL DEFAULT extract(epoch FROM now())::BIGINT",
+    "ALTER TABLE chunks ADD COLUMN IF NOT EXISTS doomed BOOLEAN NOT NULL DEFAULT FALSE",
   ]
 
   static func first<T: PostgresDecodable & Sendable>(_ rows: PostgresRowSequence, _ type: T.Type) async throws -> T? {
@@ -297,9 +301,9 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  public func commit(account: String, container: String, item: CloudItem, ifMatch: String?, rule: TreeRule?)
-    async throws -> CloudItem
-  {
+  public func commit(
+    account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
+  ) async throws -> CloudItem {
     try await transaction { conn in
       // The container row lock serializes commits per container: sequence numbers are handed
       // out and committed in order, so a change feed reader never skips one.
@@ -317,8 +321,30 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
       if let rule { try rule(try await self.treeSnapshot(conn, account, container, item)) }
+      try await self.useChunks(conn, account, chunks, now: Clock.nowSeconds())
       return try await self.store(conn, account, container, item)
     }
+  }
+
+  /// Marks a commit's chunks used, inside its transaction (the row locks make a concurrent
+  /// collection pass skip them, or make this commit see them doomed); throws `missingChunks`
+  /// for any that is not a live chunk of the account.
+  func useChunks(_ conn: PostgresConnection, _ account: String, _ chunks: Set<String>, now: Int64) async throws {
+    let hashes = chunks.sorted()
+    var live = Set<String>()
+    for batch in stride(from: 0, to: hashes.count, by: 1000) {
+      let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+      for try await h in try await conn.query(
+        """
+        UPDATE chunks SET last_used = \(now) WHERE account = \(account) AND NOT doomed AND hash = ANY(\(slice))
+        RETURNING hash
+        """, logger: log
+      ).decode(String.self) {
+        live.insert(h)
+      }
+    }
+    let missing = chunks.subtracting(live)
+    if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
   }
 
   func record(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String) async throws
@@ -428,7 +454,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       for batch in stride(from: 0, to: hashes.count, by: 1000) {
         let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
         for try await h in try await conn.query(
-          "SELECT hash FROM chunks WHERE account = \(account) AND hash = ANY(\(slice))", logger: log
+          "SELECT hash FROM chunks WHERE account = \(account) AND NOT doomed AND hash = ANY(\(slice))", logger: log
         ).decode(String.self) {
           found.insert(h)
         }
@@ -444,7 +470,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       for batch in stride(from: 0, to: hashes.count, by: 1000) {
         let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
         for try await (h, size) in try await conn.query(
-          "SELECT hash, size FROM chunks WHERE account = \(account) AND hash = ANY(\(slice))", logger: log
+          "SELECT hash, size FROM chunks WHERE account = \(account) AND NOT doomed AND hash = ANY(\(slice))",
+          logger: log
         ).decode((String, Int64).self) {
           found[h] = size
         }
@@ -457,17 +484,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     try await read { conn in
       try await Self.first(
         try await conn.query(
-          "SELECT size FROM chunks WHERE account = \(account) AND hash = \(hash)", logger: log), Int64.self)
+          "SELECT size FROM chunks WHERE account = \(account) AND hash = \(hash) AND NOT doomed", logger: log),
+        Int64.self)
     }
   }
 
-  public func recordChunk(account: String, hash: String, size: Int64) async throws {
+  public func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws {
     try await transaction { conn in
       let (used, quota) = try await self.usageRow(conn, account, lock: true)
-      if try await Self.first(
+      if let doomed = try await Self.first(
         try await conn.query(
-          "SELECT 1::INT4 FROM chunks WHERE account = \(account) AND hash = \(hash)", logger: log), Int32.self) != nil
+          "SELECT doomed FROM chunks WHERE account = \(account) AND hash = \(hash) FOR UPDATE", logger: log),
+        Bool.self)
       {
+        if doomed { throw CloudError.unavailable("chunk \(hash) is being garbage-collected; retry in a moment") }
+        try await conn.query(
+          "UPDATE chunks SET last_used = \(now) WHERE account = \(account) AND hash = \(hash)", logger: log)
         return
       }
       let (total, overflow) = used.addingReportingOverflow(size)
@@ -475,9 +507,90 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
       }
       try await conn.query(
-        "INSERT INTO chunks(account, hash, size) VALUES (\(account), \(hash), \(size))", logger: log)
+        "INSERT INTO chunks(account, hash, size, last_used) VALUES (\(account), \(hash), \(size), \(now))",
+        logger: log)
       try await conn.query(
         "UPDATE accounts SET used_bytes = used_bytes + \(size) WHERE name = \(account)", logger: log)
+    }
+  }
+
+  public func touchChunks(account: String, hashes: [String], now: Int64) async throws {
+    if hashes.isEmpty { return }
+    try await transaction { conn in
+      for batch in stride(from: 0, to: hashes.count, by: 1000) {
+        let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+        try await conn.query(
+          """
+          UPDATE chunks SET last_used = \(now) WHERE account = \(account) AND NOT doomed
+          AND last_used < \(now - 60) AND hash = ANY(\(slice))
+          """, logger: log)
+      }
+    }
+  }
+
+  public func isChunkDoomed(account: String, hash: String) async throws -> Bool {
+    try await read { conn in
+      try await Self.first(
+        try await conn.query(
+          "SELECT doomed FROM chunks WHERE account = \(account) AND hash = \(hash)", logger: log), Bool.self)
+        == true
+    }
+  }
+
+  public func doomUnreferencedChunks(account: String, unusedBefore: Int64) async throws -> [String] {
+    try await transaction { conn in
+      var stale: [String] = []
+      for try await h in try await conn.query(
+        "SELECT hash FROM chunks WHERE account = \(account) AND NOT doomed AND last_used < \(unusedBefore)",
+        logger: log
+      ).decode(String.self) {
+        stale.append(h)
+      }
+      if !stale.isEmpty {
+        // References are read after the stale chunks: a commit in between touched its chunks
+        // (and the UPDATE below re-reads `last_used` of every row it would doom).
+        var referenced = Set<String>()
+        for try await json in try await conn.query(
+          "SELECT record FROM items WHERE account = \(account)", logger: log
+        ).decode(String.self) {
+          referenced.formUnion(
+            CloudEngine.referencedChunks(try Self.decoder.decode(CloudItem.self, from: Data(json.utf8))))
+        }
+        let candidates = stale.filter { !referenced.contains($0) }
+        for batch in stride(from: 0, to: candidates.count, by: 1000) {
+          let slice = Array(candidates[batch..<min(batch + 1000, candidates.count)])
+          try await conn.query(
+            """
+            UPDATE chunks SET doomed = TRUE WHERE account = \(account) AND NOT doomed
+            AND last_used < \(unusedBefore) AND hash = ANY(\(slice))
+            """, logger: log)
+        }
+      }
+      var doomed: [String] = []
+      for try await h in try await conn.query(
+        "SELECT hash FROM chunks WHERE account = \(account) AND doomed ORDER BY hash", logger: log
+      ).decode(String.self) {
+        doomed.append(h)
+      }
+      return doomed
+    }
+  }
+
+  public func forgetDoomedChunks(account: String, hashes: [String]) async throws -> Int64 {
+    try await transaction { conn in
+      var freed: Int64 = 0
+      for batch in stride(from: 0, to: hashes.count, by: 1000) {
+        let slice = Array(hashes[batch..<min(batch + 1000, hashes.count)])
+        for try await size in try await conn.query(
+          "DELETE FROM chunks WHERE account = \(account) AND doomed AND hash = ANY(\(slice)) RETURNING size",
+          logger: log
+        ).decode(Int64.self) {
+          freed += size
+        }
+      }
+      try await conn.query(
+        "UPDATE accounts SET used_bytes = GREATEST(0, used_bytes - \(freed)) WHERE name = \(account)", logger: log)
+      return freed
     }
   }
 

@@ -185,6 +185,14 @@ public final class S3BlobStore: BlobStore, @unchecked Sendable {
     guard resp.status == .ok else { throw failure("PUT \(hash)", resp, body) }
   }
 
+  public func delete(account: String, hash: String) async throws {
+    let (resp, body) = try await request(.DELETE, path: objectPath(account, hash))
+    // S3 answers 204 whether or not the object existed; some stores answer 404 for a missing one.
+    guard resp.status == .noContent || resp.status == .ok || resp.status == .notFound else {
+      throw failure("DELETE \(hash)", resp, body)
+    }
+  }
+
   public func get(account: String, hash: String, range: Range<Int64>?) async throws -> Data {
     var extra: [String: String] = [:]
     if let range {

@@ -155,6 +155,8 @@ public final class Daemon {
     // Key-value store: keep the container's kv mirror synced while mounted.
     let kvTimer = startKeyValueSync(session: cloudSession)
     defer { kvTimer?.cancel() }
+    let collectionTimer = (cloud as? CloudEngine).map(startGarbageCollection)
+    defer { collectionTimer?.cancel() }
     notifySystemd("READY=1\nSTATUS=mounted \(container.rawValue) at \(mountpoint)")
     log.info("mounted \(container) at \(mountpoint) (device \(deviceID))")
 
@@ -209,6 +211,27 @@ public final class Daemon {
     let timer = DispatchSource.makeTimerSource(queue: DispatchQueue(label: "ubiqfs.kv-sync", qos: .utility))
     timer.schedule(deadline: .now() + 0.5, repeating: interval)
     timer.setEventHandler { try? runBlocking { try await sync.run() } }
+    timer.resume()
+    return timer
+  }
+
+  /// The embedded cloud has no server to collect its garbage: while mounted, the daemon runs a
+  /// pass every 6 hours with the server's default grace (chunks used within 24 hours stay),
+  /// the first one 10 minutes after the mount. Several daemons over one cloud folder are fine
+  /// (passes are idempotent).
+  private func startGarbageCollection(_ engine: CloudEngine) -> DispatchSourceTimer {
+    let timer = DispatchSource.makeTimerSource(queue: DispatchQueue(label: "ubiqfs.cloud-gc", qos: .background))
+    timer.schedule(deadline: .now() + 600, repeating: 6 * 3600)
+    timer.setEventHandler { [log] in
+      do {
+        let collected = try runBlocking { try await engine.collectGarbage(grace: 24 * 3600) }
+        if collected.chunks > 0 {
+          log.info("embedded cloud: \(collected.chunks) unreferenced chunks deleted, \(collected.bytes) bytes freed")
+        }
+      } catch {
+        log.warning("embedded cloud: garbage collection failed (the next pass retries): \(error)")
+      }
+    }
     timer.resume()
     return timer
   }

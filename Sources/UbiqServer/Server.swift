@@ -17,6 +17,8 @@ public struct ServeOptions: Sendable {
   public var limits = ServerLimits()
   /// Serve HTTPS with this certificate chain and private key (PEM files); nil: plain HTTP.
   public var tls: TLSFiles?
+  /// When unreferenced chunks are collected.
+  public var collection = CollectionSchedule()
 
   public init(host: String, port: Int, storage: StorageConfig) {
     self.host = host
@@ -79,7 +81,9 @@ public enum UbiqServer {
         },
         logger: logger)
       // Shut down in reverse order: the hub releases long-polls first, then the HTTP server drains.
-      let group = ServiceGroup(services: [app, hub], gracefulShutdownSignals: [.sigterm, .sigint], logger: logger)
+      let collector = ChunkCollector(backend: backend, schedule: options.collection, logger: logger)
+      let group = ServiceGroup(
+        services: [app, hub, collector], gracefulShutdownSignals: [.sigterm, .sigint], logger: logger)
       try await group.run()
     }
     logger.info("stopped")

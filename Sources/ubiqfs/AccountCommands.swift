@@ -58,7 +58,7 @@ struct AccountCommand: ParsableCommand {
           throw UbiqError.invalidArgument(e.description)
         }
         let name = device ?? ProcessInfo.processInfo.hostName
-        let lifetime = try expires.map(parseDuration)
+        let lifetime = try expires.map { try parseDuration($0) }
         let info = try runBlocking { try await AccountAPI(api: api).accountInfo() }
         let issued: AccountAPI.NewDevice
         do {

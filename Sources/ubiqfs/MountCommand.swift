@@ -186,8 +186,9 @@ func parseSize(_ text: String) throws -> Int64 {
   return Int64(v * Double(mult))
 }
 
-/// Parses a lifetime such as `90d`, `12h`, `30m`, `45s` or a plain number of seconds.
-func parseDuration(_ text: String) throws -> Int64 {
+/// Parses a lifetime such as `90d`, `12h`, `30m`, `45s` or a plain number of seconds
+/// (0 only where `allowZero`).
+func parseDuration(_ text: String, allowZero: Bool = false) throws -> Int64 {
   let t = text.trimmingCharacters(in: .whitespaces).lowercased()
   let units: [Character: Int64] = ["s": 1, "m": 60, "h": 3600, "d": 86400]
   var digits = t
@@ -196,7 +197,7 @@ func parseDuration(_ text: String) throws -> Int64 {
     mult = m
     digits = String(t.dropLast())
   }
-  guard let v = Int64(digits), v > 0, v <= Int64.max / mult else {
+  guard let v = Int64(digits), v > 0 || (allowZero && v == 0), v <= Int64.max / mult else {
     throw UbiqError.invalidArgument("'\(text)' is not a duration (e.g. 90d, 12h, 30m, 45s)")
   }
   return v * mult

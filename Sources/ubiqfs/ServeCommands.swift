@@ -111,6 +111,10 @@ struct ServeCommand: ParsableCommand {
   var pollIntervalMs = 200
   @Option(help: "Serve HTTPS with this certificate chain (PEM file); needs --tls-key.") var tlsCert: String?
   @Option(help: "The private key (PEM file) of --tls-cert.") var tlsKey: String?
+  @Option(help: "How often to delete chunks no item refers to, e.g. 6h; 'off' for never (see 'server gc').")
+  var gcInterval = "6h"
+  @Option(help: "How long a chunk no item refers to is kept after its last use, e.g. 24h.")
+  var gcGrace = "24h"
   @OptionGroup var storage: StorageOptions
 
   func validate() throws {
@@ -118,6 +122,17 @@ struct ServeCommand: ParsableCommand {
     if (tlsCert == nil) != (tlsKey == nil) { throw ValidationError("--tls-cert and --tls-key go together") }
     if Logger.Level(rawValue: logLevel) == nil { throw ValidationError("unknown --log-level \(logLevel)") }
     if pollIntervalMs < 10 { throw ValidationError("--poll-interval-ms must be >= 10") }
+    _ = try collectionSchedule()
+  }
+
+  func collectionSchedule() throws -> CollectionSchedule {
+    do {
+      return CollectionSchedule(
+        interval: gcInterval == "off" ? nil : try parseDuration(gcInterval),
+        grace: try parseDuration(gcGrace, allowZero: true))
+    } catch let e as UbiqError {
+      throw ValidationError("--gc-interval/--gc-grace: \(e.description)")
+    }
   }
 
   func run() throws {
@@ -125,6 +140,7 @@ struct ServeCommand: ParsableCommand {
       let (host, port) = try parseListen(listen)
       var options = ServeOptions(host: host, port: port, storage: try storage.storage())
       options.limits.pollIntervalMs = pollIntervalMs
+      options.collection = try collectionSchedule()
       if let tlsCert, let tlsKey {
         options.tls = TLSFiles(certificateChain: absolutePath(tlsCert), privateKey: absolutePath(tlsKey))
       }
@@ -152,7 +168,50 @@ struct ServerCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
     commandName: "server",
     abstract: "Manage server accounts and tokens, check stored trees (works on the server's storage directly).",
-    subcommands: [AccountGroup.self, TokenGroup.self, Check.self])
+    subcommands: [AccountGroup.self, TokenGroup.self, Check.self, GC.self])
+
+  /// `ubiqfs server gc [--grace D]`: one garbage-collection pass over every account.
+  struct GC: ParsableCommand {
+    static let configuration = CommandConfiguration(
+      commandName: "gc",
+      abstract: "Delete chunks no item refers to and not used within the grace period; prints what was freed.",
+      discussion: """
+        A running server does this every --gc-interval. Safe while servers run: a chunk an upload \
+        uses is kept (a commit that lost it to a pass with too short a grace gets "missing chunks" \
+        and the client uploads it again).
+        """)
+    @Option(help: "Keep chunks used within this long, e.g. 24h; 0 collects every unreferenced chunk.")
+    var grace = "24h"
+    @Flag(help: "One JSON object per account: {account, chunks, bytes}.") var json = false
+    @OptionGroup var storage: StorageOptions
+
+    struct AccountResult: Codable, Sendable {
+      var account: String
+      var chunks: Int
+      var bytes: Int64
+    }
+
+    func run() throws {
+      try cli {
+        let grace = try parseDuration(self.grace, allowZero: true)
+        let results = try storage.withBackend { backend -> [AccountResult] in
+          var results: [AccountResult] = []
+          for account in try await backend.metadata.accounts() {
+            let collected = try await backend.engine(account: account).collectGarbage(grace: grace)
+            results.append(AccountResult(account: account, chunks: collected.chunks, bytes: collected.bytes))
+          }
+          return results
+        }
+        if json {
+          let encoder = JSONEncoder()
+          encoder.outputFormatting = [.sortedKeys]
+          for r in results { print(String(decoding: try encoder.encode(r), as: UTF8.self)) }
+        } else {
+          for r in results { print("\(r.account)\t\(r.chunks) chunks\t\(formatBytes(r.bytes)) freed") }
+        }
+      }
+    }
+  }
 
   /// `ubiqfs server check [--repair]`: the tree invariants over every stored container.
   struct Check: ParsableCommand {
@@ -323,7 +382,7 @@ struct ServerCommand: ParsableCommand {
           guard let scope = TokenScope(rawValue: self.scope) else {
             throw UbiqError.invalidArgument("--scope must be 'account' or 'device', not '\(self.scope)'")
           }
-          let lifetime = try expires.map(parseDuration)
+          let lifetime = try expires.map { try parseDuration($0) }
           let (account, device) = (self.account, self.device)
           let (token, record) = try storage.withBackend { backend in
             try await backend.issueToken(account: account, device: device, scope: scope, expiresIn: lifetime)

@@ -637,7 +637,8 @@ final class SyncSimulation {
         mtimeNs: 0)
       _ = try runBlocking {
         try await cloud.metadata.commit(
-          account: cloud.account, container: a.container.rawValue, item: orphan, ifMatch: nil, rule: nil)
+          account: cloud.account, container: a.container.rawValue, item: orphan, ifMatch: nil, chunks: [],
+          rule: nil)
       }
       try a.writeFile("fine.txt", Data("synced\n".utf8))
       try a.drainUploads()

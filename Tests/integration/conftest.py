@@ -365,6 +365,21 @@ class Ubiq:
             "server", "account", "quota", acct.name, str(quota), *acct.storage.args(), env_extra=acct.storage.env()
         )
 
+    def collect_garbage(self, grace: str = "0") -> dict:
+        """What a cloud operator does: `ubiqfs server gc` on the cloud's storage; returns this
+        account's result ({account, chunks, bytes})."""
+        if CLOUD_MODE == "embedded":
+            out = self.run("server", "gc", "--grace", grace, "--json", "--data", self.cloud).stdout
+        else:
+            self.ensure_cloud()
+            acct = _cloud_account(self.cloud_key)
+            out = ubiqstack.run_cli(
+                "server", "gc", "--grace", grace, "--json", *acct.storage.args(), env_extra=acct.storage.env()
+            ).stdout
+        mine = [r for r in map(json.loads, out.splitlines()) if r["account"] == self.account]
+        assert len(mine) == 1, out
+        return mine[0]
+
     def _cloud_db(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.cloud / "cloud.sqlite"), timeout=10)
         db.execute("PRAGMA busy_timeout = 10000")

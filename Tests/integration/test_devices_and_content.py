@@ -52,6 +52,36 @@ def test_busy_reader_on_second_device_ends_on_the_newest_content(ubiq, device2):
         wait_for(lambda: b.read_text() == "two\n", timeout=15, interval=0.002, what=f"poll{i}.txt = two on device 2")
 
 
+def test_garbage_collection_frees_replaced_and_deleted_content_and_keeps_what_is_current(ubiq, device2):
+    doc, gone = ubiq.docs / "doc.bin", ubiq.docs / "gone.bin"
+    old, new, removed = os.urandom(300_000), os.urandom(300_000), os.urandom(200_000)
+    doc.write_bytes(old)
+    gone.write_bytes(removed)
+    ubiq.sync()
+    doc.write_bytes(new)
+    gone.unlink()
+    ubiq.sync()
+    before = ubiq.stored_chunks()
+    time.sleep(1.1)  # grace 0 keeps chunks used within the current second
+
+    freed = ubiq.collect_garbage()
+
+    assert freed["bytes"] == len(old) + len(removed), freed
+    after = ubiq.stored_chunks()
+    assert sum(after.values()) == sum(before.values()) - freed["bytes"] == len(new)
+    # The current content is whole: read back after eviction, and on the second device.
+    ubiq.run("evict", doc)
+    assert doc.read_bytes() == new
+    wait_for(lambda: (device2.docs / "doc.bin").exists() and (device2.docs / "doc.bin").read_bytes() == new,
+             timeout=30, what="doc.bin on device 2")
+    assert not (device2.docs / "gone.bin").exists()
+    # New uploads of the collected bytes work: they are simply missing again.
+    (ubiq.docs / "again.bin").write_bytes(old)
+    ubiq.sync()
+    assert ubiq.status()[0]["queue"]["failing"] == []
+    assert ubiq.cloud_content(ubiq.item_id(ubiq.docs / "again.bin")) == old
+
+
 def test_second_device_sees_creates_edits_moves_and_deletes(ubiq, device2):
     data = os.urandom(3 * 1024 * 1024 + 17)
     (ubiq.docs / "photo.bin").write_bytes(data)

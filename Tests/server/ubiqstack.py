@@ -308,8 +308,9 @@ class ServerProcess:
     `tls` is a TlsFiles (its CA verifies the server)."""
 
     def __init__(self, storage, log: Path, poll_interval_ms: int = 100, tls: "TlsFiles | None" = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", extra: list[str] | tuple[str, ...] = ()):
         self.storage = storage
+        self.extra = list(extra)
         self.log = Path(log)
         self.port = free_port()
         self.poll_interval_ms = poll_interval_ms
@@ -328,7 +329,7 @@ class ServerProcess:
         env.update(self.storage.env())
         args = [
             UBIQFS_BIN, "serve", "--listen", f"{self.host}:{self.port}",
-            "--poll-interval-ms", str(self.poll_interval_ms), *self.storage.args(),
+            "--poll-interval-ms", str(self.poll_interval_ms), *self.storage.args(), *self.extra,
         ]
         if self.tls:
             args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
