@@ -20,6 +20,7 @@
 #                                   (default 900) is a hang: the threads of every ubiqfs and
 #                                   LazyFS process of the round (gdb) and the test's Python
 #                                   stack go to the log, the round is stopped and the soak fails.
+#                                   The folders of a failed or hung round are kept for a look.
 #
 # Every round prints its sequence and step counts (durability: its seed and power losses). A
 # failure prints the shrunk step list and the seed (`.fixedSeed("…")`) that replays it; the run
@@ -141,7 +142,9 @@ if [ "$what" = durability ]; then
     fi
     if [ "$ok" -ne 1 ]; then
       echo "$out" | grep -E "problems|seed|Error|assert" | head -30
-      echo "soak: round $rounds (seed $seed) FAILED after $losses power losses; full output: $log" >&2
+      echo "soak: round $rounds (seed $seed) FAILED after $losses power losses; full output: $log;" \
+        "its folders (state, cloud, LazyFS disk): $round_root/tmp" >&2
+      trap - EXIT
       exit 1
     fi
     if [ "$mode" = server ]; then losses=$((losses + 1)); else losses=$((losses + UBIQFS_POWER_LOSS_ROUNDS)); fi

@@ -95,6 +95,12 @@ public final class IndexStore: @unchecked Sendable {
     // The change log `ubiqfs watch` follows: written by triggers in the transaction of each
     // change (so nothing is missed or reported twice), the latest 10,000 to 11,000 kept.
     m.registerMigration("v7-events") { db in try db.execute(sql: ChangeEvent.schema) }
+    // An item with no confirmed upload whose commit may have been sent: set, durably, before
+    // the uploader sends it. A commit can reach the cloud while a crash or a power loss takes
+    // every trace of it from the index; a later delete must then ask the cloud.
+    m.registerMigration("v8-commit-sent") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN commitSent INTEGER NOT NULL DEFAULT 0")
+    }
     return m
   }
 
@@ -337,7 +343,34 @@ public final class IndexStore: @unchecked Sendable {
   /// the cloud (the attempt's reply was lost). Read before its row and queue entry go.
   static func uploadAttempted(_ db: Database, _ row: ItemRow) throws -> Bool {
     guard row.etag == nil, let id = row.id else { return false }
-    return try (Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE item = ?"), arguments: [id]) ?? 0) > 0
+    return try Bool.fetchOne(
+      db.cached("SELECT attempts > 0 OR commitSent FROM uploadQueue WHERE item = ?"), arguments: [id]) ?? false
+  }
+
+  /// Marks the entries of items with no confirmed upload as possibly in the cloud, durably, before
+  /// their commits are sent (one synced commit for the whole batch; nothing if all are marked).
+  public func markCommitsSent(items: [Int64]) throws {
+    if items.isEmpty { return }
+    try pool.writeWithoutTransaction { db in
+      let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
+      let unmarked = try Int.fetchOne(
+        db,
+        sql: """
+          SELECT count(*) FROM uploadQueue q JOIN items i ON i.id = q.item
+          WHERE q.item IN (\(marks)) AND q.commitSent = 0 AND i.etag IS NULL
+          """, arguments: StatementArguments(items))
+      guard (unmarked ?? 0) > 0 else { return }
+      try db.execute(sql: "PRAGMA synchronous = FULL")
+      defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
+      try db.inTransaction {
+        try db.execute(
+          sql: """
+            UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
+            AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
+            """, arguments: StatementArguments(items))
+        return .commit
+      }
+    }
   }
 
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that

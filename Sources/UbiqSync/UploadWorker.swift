@@ -138,6 +138,15 @@ public final class UploadWorker: @unchecked Sendable {
     var preparing: [Int: Task<PreparedUpload?, Error>] = [:]
     var launched = 0
     defer { for task in preparing.values { task.cancel() } }
+    do {
+      // A commit may reach the cloud and a power loss take its record from the index: what may
+      // be sent is marked durably first, so a later delete of such an item asks the cloud.
+      try index.markCommitsSent(items: due.compactMap(\.item))
+    } catch {
+      log.error("upload queue: cannot mark the batch as sent (\(error)); uploads pause")
+      recorded(false)
+      return false
+    }
     for i in due.indices {
       while launched < due.count && launched < i + max(1, parallelUploads) {
         if let inode = due[launched].item {

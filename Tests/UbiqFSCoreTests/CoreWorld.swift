@@ -104,6 +104,24 @@ final class CoreWorld: @unchecked Sendable {
     try start()
   }
 
+  /// A power loss of the state folder: everything in memory goes, and the index files are put
+  /// back as they were when `restoringIndex` was read (nil: the file did not exist).
+  func crashAndRestart(restoringIndex files: [(String, Data?)]) throws {
+    core = nil
+    worker = nil
+    downloader = nil
+    puller = nil
+    index = nil
+    let state = root.appendingPathComponent("state")
+    try? FileManager.default.removeItem(at: state.appendingPathComponent("index.sqlite-shm"))
+    for (name, data) in files {
+      let url = state.appendingPathComponent(name)
+      try? FileManager.default.removeItem(at: url)
+      if let data { try data.write(to: url) }
+    }
+    try start()
+  }
+
   /// Uploads everything queued (the upload delay is 0 here).
   func drainUploads() throws {
     for _ in 0..<50 {

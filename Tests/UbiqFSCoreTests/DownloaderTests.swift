@@ -243,9 +243,12 @@ import UbiqIndex
   }
 }
 
-final class OutcomeBox: @unchecked Sendable {
+/// One value set from another thread (a hook, a task) and read by the test; guarded by its lock.
+final class LockedBox<Value>: @unchecked Sendable {
   private let lock = NSLock()
-  private var value: String?
-  func set(_ v: String) { lock.withLock { value = v } }
-  func get() -> String? { lock.withLock { value } }
+  private var value: Value?
+  func set(_ v: Value) { lock.withLock { value = v } }
+  func get() -> Value? { lock.withLock { value } }
 }
+
+typealias OutcomeBox = LockedBox<String>

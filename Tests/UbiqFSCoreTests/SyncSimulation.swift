@@ -43,6 +43,13 @@ struct SyncStep: Sendable, CustomStringConvertible {
   }
 }
 
+/// The names of the live files among cloud records.
+func liveFileNames(_ records: [CloudItem]) -> [String] {
+  var names: [String] = []
+  for r in records where !r.deleted && r.kind == .file { names.append(r.name) }
+  return names
+}
+
 /// A device's view of the shared cloud with faults a test switches on: a write may fail before
 /// it reaches the cloud, or reach it and lose its reply (the client cannot tell the two apart).
 final class FlakyCloud: CloudService, @unchecked Sendable {
@@ -753,9 +760,8 @@ final class SyncSimulation {
         #expect(try w.inode("f.tmp") == nil, "the temporary name is gone everywhere")
       }
       let container = a.container
-      let live = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
-        .filter { !$0.deleted && $0.kind == .file }
-      #expect(live.map(\.name) == ["f"], "the cloud holds f only: \(live.map(\.name))")
+      let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
+      #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
     }
   }
 
@@ -775,6 +781,42 @@ final class SyncSimulation {
       #expect(try a.inode("renamed") != nil && a.inode("empty") == nil)
       #expect(try a.readFile("renamed") == Data())
       #expect(try b.readFile("renamed") == Data())
+    }
+  }
+
+  /// Found by the power-loss soak (seed 8766982): a new file's first upload reached the cloud,
+  /// and the power went before the index recorded it, leaving no sign that it was ever sent. An
+  /// atomic save then replaced the file: the replaced item's delete was skipped as "never in the
+  /// cloud", its cloud record kept the name, and the save's upload met "name taken" forever.
+  @Test func aFileWhoseFirstUploadWasLostToAPowerLossCanBeReplacedByAnAtomicSave() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1, uploaded; the index never hears of it\n".utf8))
+      // What the index files hold as the commit is sent is all that survives the power loss.
+      let files = ["index.sqlite", "index.sqlite-wal"]
+      let durable = LockedBox<[Data?]>()
+      hooked.beforeWrite = { n in
+        guard n == 1 else { return }
+        durable.set(files.map { try? Data(contentsOf: a.root.appendingPathComponent("state/\($0)")) })
+      }
+      try a.drainUploads()
+      hooked.beforeWrite = nil
+      // The power goes: the cloud has the commit, the index is back to that moment.
+      try a.crashAndRestart(restoringIndex: Array(zip(files, try #require(durable.get()))))
+      #expect(
+        try runBlocking { try await cloud.changes(a.container, since: 0, limit: 100) }.items.contains { $0.name == "f" }
+      )
+      let v2 = Data("v2, saved over f\n".utf8)
+      try a.writeFile("f.tmp", v2)
+      try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
+      try a.drainUploads()
+      try b.pull()
+      try a.pull()
+      for w in [a, b] { #expect(try w.readFile("f") == v2, "the save is current") }
+      let records = try runBlocking { try await cloud.changes(a.container, since: 0, limit: 1000) }.items
+      #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
     }
   }
 
