@@ -180,10 +180,15 @@ func parseSize(_ text: String) throws -> Int64 {
     mult = m
     digits = String(t.dropLast())
   }
-  guard let v = Double(digits), v >= 0 else {
+  guard let v = Double(digits), v.isFinite, v >= 0 else {
     throw UbiqError.invalidArgument("'\(text)' is not a size (e.g. 500M, 10G)")
   }
-  return Int64(v * Double(mult))
+  // Int64.max is not exactly a Double: stay strictly below 2^63.
+  let bytes = v * Double(mult)
+  guard bytes < 9_223_372_036_854_775_808.0 else {
+    throw UbiqError.invalidArgument("the size '\(text)' is too large (at most 8 EiB)")
+  }
+  return Int64(bytes)
 }
 
 /// Parses a lifetime such as `90d`, `12h`, `30m`, `45s` or a plain number of seconds

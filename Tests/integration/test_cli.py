@@ -242,6 +242,17 @@ def test_usage_errors_exit_non_zero(ubiq, tmp_path):
     assert len(ubiq_mounts()) == len(set(ubiq_mounts()))
 
 
+@pytest.mark.parametrize("size", ["1e30", "9999999999T", "inf", "nan", "-5", "12Q"])
+def test_a_size_that_does_not_fit_is_a_usage_error_not_a_crash(ubiq, tmp_path, size):
+    for args in (["mount", f"--min-free={size}", tmp_path],
+                 ["server", "account", "quota", "nobody", "--data", tmp_path / "server", "--", size]):
+        cp = ubiq.run(*args, check=False)
+        assert cp.returncode not in (0, -signal.SIGILL, -signal.SIGTRAP, 132, 133), (args, cp)
+        assert "Fatal error" not in cp.stderr and "crashed" not in cp.stderr, (args, cp.stderr)
+        assert "size" in cp.stderr, (args, cp.stderr)
+        assert len(cp.stderr.strip().splitlines()) <= 3, (args, cp.stderr)
+
+
 # ---------------------------------------------------------------------------- discoverability
 
 REPO = Path(__file__).resolve().parents[2]
