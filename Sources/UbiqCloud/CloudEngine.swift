@@ -1,16 +1,29 @@
 import Foundation
 import UbiqCore
 
+/// What one account may hold and ask for, beyond its byte quota: each refused with
+/// `CloudError.limitExceeded` (HTTP 507 `limit_exceeded`), except the page size, which only
+/// splits change pages.
+public struct CloudLimits: Sendable, Equatable {
+  public var maxContainersPerAccount = 1000
+  /// Live items (files, folders, symlinks) per container; tombstones do not count.
+  public var maxItemsPerContainer: Int64 = 10_000_000
+  /// JSON bytes of the records of one change page.
+  public var maxChangePageBytes = 8 << 20
+  public init() {}
+}
+
 /// The cloud's rules (etags and If-Match, chunk hash verification, quota, container seeding,
 /// identifiers and numbers, tree invariants) over a metadata store and a blob store, for one
 /// account. Used in-process as the embedded
 /// default cloud and by `ubiqfs serve`.
-/// Sendable: `kvLimits` is set before use; the stores guard their own state.
+/// Sendable: `kvLimits` and `limits` are set before use; the stores guard their own state.
 public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendable {
   public let account: String
   let metadata: MetadataStore
   let blobs: BlobStore
   public var kvLimits = KVLimits.standard
+  public var limits = CloudLimits()
 
   /// An engine for an existing account (the server authenticates first; the embedded
   /// engine creates its account in `embedded`). Does no I/O.
@@ -39,7 +52,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
         itemID: WellKnownItem.documents, parentID: WellKnownItem.root, name: "Documents", kind: .directory,
         mode: 0o755, size: 0, mtimeNs: now, deviceID: "cloud"),
     ]
-    try await metadata.ensureContainer(account: account, container: container.rawValue, seed: seed)
+    try await metadata.ensureContainer(
+      account: account, container: container.rawValue, seed: seed, maxContainers: limits.maxContainersPerAccount)
   }
 
   public func missingChunks(_ hashes: [String]) async throws -> Set<String> {
@@ -119,7 +133,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     record.deleted = false
     return try await metadata.commit(
       account: account, container: container.rawValue, item: record, ifMatch: ifMatch,
-      chunks: Self.referencedChunks(record), rule: Self.treeRule(for: record))
+      chunks: Self.referencedChunks(record), rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer)
+    )
   }
 
   /// A file version's chunk list: every length positive and equal to the stored chunk's size,
@@ -141,8 +156,11 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   /// The tree invariants of a live item, checked by the metadata engine inside the commit:
   /// its parent exists, is a directory and is not deleted; the item is not its own ancestor;
   /// no other live item of the parent has its name.
-  static func treeRule(for item: CloudItem) -> TreeRule {
+  static func treeRule(for item: CloudItem, maxLiveItems: Int64 = .max) -> TreeRule {
     { tree in
+      if tree.addsLiveItem && tree.liveItems >= maxLiveItems {
+        throw CloudError.limitExceeded("the container has \(tree.liveItems) items, the most it may hold")
+      }
       guard let parentID = item.parentID else { return }
       if parentID == item.itemID || tree.ancestors.contains(where: { $0.itemID == item.itemID }) {
         throw CloudError.cycle("moving \(item.itemID) under \(parentID) would make it its own ancestor")
@@ -206,10 +224,26 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     return try await metadata.item(account: account, container: container.rawValue, itemID: itemID)
   }
 
+  /// At most `limit` records (1 to 5000), and no more than `limits.maxChangePageBytes` of them
+  /// in JSON (at least one record, however large): `hasMore` and `token` then say where the
+  /// next page starts.
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try await metadata.changes(
+    var batch = try await metadata.changes(
       account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
+    var bytes = 0
+    for (i, item) in batch.items.enumerated() {
+      bytes += try Self.encoder.encode(item).count
+      if bytes > limits.maxChangePageBytes && i > 0 {
+        batch.items.removeSubrange(i...)
+        batch.token = batch.items[i - 1].changeSeq
+        batch.hasMore = true
+        break
+      }
+    }
+    return batch
   }
+
+  static let encoder = JSONEncoder()
 
   /// The newest change sequence number of a container (0 if it has none).
   public func lastChange(_ container: ContainerID) async throws -> Int64 {

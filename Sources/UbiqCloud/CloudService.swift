@@ -77,6 +77,8 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case nameTaken(String)
   /// A folder that still has live items cannot be deleted.
   case notEmpty(String)
+  /// A limit of the service (containers per account, items per container) would be exceeded.
+  case limitExceeded(String)
 
   public var description: String {
     switch self {
@@ -94,13 +96,14 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .cycle(let m): return "cycle: \(m)"
     case .nameTaken(let m): return "name taken: \(m)"
     case .notEmpty(let m): return "not empty: \(m)"
+    case .limitExceeded(let m): return "limit exceeded: \(m) (EDQUOT)"
     }
   }
 
   /// The errno an operation blocked by this error reports on the mount.
   public var errno: Int32 {
     switch self {
-    case .quotaExceeded: return EDQUOT
+    case .quotaExceeded, .limitExceeded: return EDQUOT
     case .unavailable: return EHOSTUNREACH
     case .notFound: return ENOENT
     case .conflict: return EBUSY

@@ -84,6 +84,15 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           UPDATE chunks SET lastUsed = CAST(strftime('%s', 'now') AS INTEGER);
           """)
     }
+    migrator.registerMigration("v6-live-item-count") { db in
+      // Live items per container, kept by every commit, for the items-per-container limit.
+      try db.execute(
+        sql: """
+          ALTER TABLE containers ADD COLUMN liveItems INTEGER NOT NULL DEFAULT 0;
+          UPDATE containers SET liveItems = (SELECT count(*) FROM items i WHERE i.account = containers.account
+            AND i.container = containers.container AND i.deleted = 0);
+          """)
+    }
     try migrator.migrate(pool)
   }
 
@@ -102,11 +111,19 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  public func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws {
+  public func ensureContainer(account: String, container: String, seed: [CloudItem], maxContainers: Int)
+    async throws
+  {
     try await pool.write { db in
       if try Self.containerExists(db, account, container) { return }
+      let count =
+        try Int.fetchOne(db, sql: "SELECT count(*) FROM containers WHERE account = ?", arguments: [account]) ?? 0
+      if count >= maxContainers {
+        throw CloudError.limitExceeded("the account has \(count) containers, the most it may have")
+      }
       try db.execute(
-        sql: "INSERT INTO containers(account, container) VALUES (?, ?)", arguments: [account, container])
+        sql: "INSERT INTO containers(account, container, liveItems) VALUES (?, ?, ?)",
+        arguments: [account, container, seed.filter { !$0.deleted }.count])
       for item in seed { _ = try Self.store(db, account, container, item) }
     }
   }
@@ -142,8 +159,22 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       }
       let current = try Self.record(db, account, container, item.itemID)
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      if let rule { try rule(try Self.treeSnapshot(db, account, container, item)) }
+      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.deleted ? 0 : 1 } ?? 0)
+      if let rule {
+        var tree = try Self.treeSnapshot(db, account, container, item)
+        tree.addsLiveItem = delta > 0
+        tree.liveItems =
+          try Int64.fetchOne(
+            db, sql: "SELECT liveItems FROM containers WHERE account = ? AND container = ?",
+            arguments: [account, container]) ?? 0
+        try rule(tree)
+      }
       try Self.useChunks(db, account, chunks, now: Clock.nowSeconds())
+      if delta != 0 {
+        try db.execute(
+          sql: "UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?",
+          arguments: [delta, account, container])
+      }
       return try Self.store(db, account, container, item)
     }
   }

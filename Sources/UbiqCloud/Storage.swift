@@ -14,7 +14,9 @@ public protocol BlobStore: Sendable {
 /// Every method is one atomic transaction, so several server processes may share one store.
 public protocol MetadataStore: Sendable {
   func ensureAccount(_ account: String) async throws
-  func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws
+  /// Creates the container with `seed` if it does not exist; refuses a new one with
+  /// `CloudError.limitExceeded` when the account has `maxContainers` already.
+  func ensureContainer(account: String, container: String, seed: [CloudItem], maxContainers: Int) async throws
   /// The container identifiers of an account, sorted.
   func containers(account: String) async throws -> [String]
   func item(account: String, container: String, itemID: String) async throws -> CloudItem?
@@ -80,10 +82,19 @@ public struct TreeSnapshot: Sendable {
   public var namesake: CloudItem?
   /// For a delete: a live item whose parent is the deleted one.
   public var liveChild: CloudItem?
-  public init(ancestors: [CloudItem], namesake: CloudItem?, liveChild: CloudItem? = nil) {
+  /// Live items in the container before this write.
+  public var liveItems: Int64
+  /// Whether the write adds a live item (a new one, or one brought back from a tombstone).
+  public var addsLiveItem: Bool
+  public init(
+    ancestors: [CloudItem], namesake: CloudItem?, liveChild: CloudItem? = nil, liveItems: Int64 = 0,
+    addsLiveItem: Bool = false
+  ) {
     self.ancestors = ancestors
     self.namesake = namesake
     self.liveChild = liveChild
+    self.liveItems = liveItems
+    self.addsLiveItem = addsLiveItem
   }
   /// The deepest ancestry an engine reads; deeper trees are refused as cycles.
   public static let maxDepth = 4096

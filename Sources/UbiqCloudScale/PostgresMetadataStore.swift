@@ -250,6 +250,12 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     // chunks from before count as used now), and whether a collection pass is deleting it.
     "ALTER TABLE chunks ADD COLUMN IF NOT EXISTS last_used BIGINT NOT NULL DEFAULT extract(epoch FROM now())::BIGINT",
     "ALTER TABLE chunks ADD COLUMN IF NOT EXISTS doomed BOOLEAN NOT NULL DEFAULT FALSE",
+    // Live items per container, kept by every commit, for the items-per-container limit.
+    "ALTER TABLE containers ADD COLUMN IF NOT EXISTS live_items BIGINT",
+    """
+    UPDATE containers c SET live_items = (SELECT count(*) FROM items i WHERE i.account = c.account
+      AND i.container = c.container AND NOT i.deleted) WHERE live_items IS NULL
+    """,
   ]
 
   static func first<T: PostgresDecodable & Sendable>(_ rows: PostgresRowSequence, _ type: T.Type) async throws -> T? {
@@ -266,12 +272,29 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  public func ensureContainer(account: String, container: String, seed: [CloudItem]) async throws {
+  public func ensureContainer(account: String, container: String, seed: [CloudItem], maxContainers: Int)
+    async throws
+  {
     try await transaction { conn in
+      let exists = try await Self.first(
+        try await conn.query(
+          "SELECT 1::INT4 FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+        Int32.self)
+      if exists != nil { return }
+      // The account row lock serializes container creation, so the count holds.
+      _ = try await self.usageRow(conn, account, lock: true)
+      let count =
+        try await Self.first(
+          try await conn.query("SELECT count(*) FROM containers WHERE account = \(account)", logger: log),
+          Int64.self) ?? 0
+      if count >= Int64(maxContainers) {
+        throw CloudError.limitExceeded("the account has \(count) containers, the most it may have")
+      }
+      let live = Int64(seed.filter { !$0.deleted }.count)
       let inserted = try await Self.first(
         try await conn.query(
           """
-          INSERT INTO containers(account, container) VALUES (\(account), \(container))
+          INSERT INTO containers(account, container, live_items) VALUES (\(account), \(container), \(live))
           ON CONFLICT (account, container) DO NOTHING RETURNING 1
           """, logger: log), Int32.self)
       guard inserted != nil else { return }
@@ -320,8 +343,25 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           """, logger: log), String.self
       ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
       try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      if let rule { try rule(try await self.treeSnapshot(conn, account, container, item)) }
+      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.deleted ? 0 : 1 } ?? 0)
+      if let rule {
+        var tree = try await self.treeSnapshot(conn, account, container, item)
+        tree.addsLiveItem = delta > 0
+        tree.liveItems =
+          try await Self.first(
+            try await conn.query(
+              "SELECT live_items FROM containers WHERE account = \(account) AND container = \(container)",
+              logger: log), Int64.self) ?? 0
+        try rule(tree)
+      }
       try await self.useChunks(conn, account, chunks, now: Clock.nowSeconds())
+      if delta != 0 {
+        try await conn.query(
+          """
+          UPDATE containers SET live_items = live_items + \(delta) WHERE account = \(account)
+          AND container = \(container)
+          """, logger: log)
+      }
       return try await self.store(conn, account, container, item)
     }
   }

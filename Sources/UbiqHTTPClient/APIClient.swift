@@ -173,6 +173,7 @@ public struct APIClient: Sendable {
     case (_, "hash_mismatch"): return CloudError.hashMismatch(message)
     case (_, "kv_quota"): return KeyValueError.quotaViolation(message)
     case (_, "invalid_key"): return KeyValueError.invalidKey(message)
+    case (507, "limit_exceeded"): return CloudError.limitExceeded(message)
     case (507, _): return CloudError.quotaExceeded(parsed?.usage ?? Usage(usedBytes: 0, quotaBytes: 0))
     case (404, _): return CloudError.notFound(message)
     case (401, _), (403, _): return CloudError.unauthorized(message)

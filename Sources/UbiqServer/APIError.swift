@@ -104,6 +104,10 @@ public struct APIError: Error, Sendable {
     case .cycle: return APIError(.conflict, "cycle", e.description)
     case .nameTaken: return APIError(.conflict, "name_taken", e.description)
     case .notEmpty: return APIError(.conflict, "not_empty", e.description)
+    case .limitExceeded:
+      var api = APIError(.insufficientStorage507, "limit_exceeded", e.description)
+      api.errno = "EDQUOT"
+      return api
     }
   }
 }

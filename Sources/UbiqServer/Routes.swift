@@ -14,12 +14,15 @@ struct APIRoutes: Sendable {
   let hub: ChangeHub
   let metrics: ServerMetrics
   let limits: ServerLimits
+  let longPolls = LongPollCounter()
 
   typealias Ctx = UbiqRequestContext
   typealias H = HTTPHelpers
 
   func engine(_ context: Ctx) throws -> CloudEngine {
-    backend.engine(account: try context.requireIdentity().account)
+    let engine = backend.engine(account: try context.requireIdentity().account)
+    engine.limits = limits.cloud
+    return engine
   }
 
   func register(on router: Router<Ctx>) {
@@ -211,6 +214,12 @@ struct APIRoutes: Sendable {
     let since = try H.intQuery(request, "since", default: 0, range: 0...Int64.max)
     let timeout = try H.intQuery(request, "timeout", default: 25_000, range: 0...Int64(limits.maxWaitMs))
     let identity = try context.requireIdentity()
+    guard longPolls.enter(identity.id, limit: limits.maxLongPollsPerToken) else {
+      throw APIError(
+        .tooManyRequests, "too_many_requests",
+        "this token has \(limits.maxLongPollsPerToken) long-polls waiting already, the most it may have")
+    }
+    defer { longPolls.leave(identity.id) }
     metrics.longPolls.increment()
     defer { metrics.longPolls.decrement() }
     let r = try await hub.wait(

@@ -115,6 +115,13 @@ struct ServeCommand: ParsableCommand {
   var gcInterval = "6h"
   @Option(help: "How long a chunk no item refers to is kept after its last use, e.g. 24h.")
   var gcGrace = "24h"
+  @Option(help: "Containers one account may have.") var maxContainers = CloudLimits().maxContainersPerAccount
+  @Option(help: "Live items (files, folders, symlinks) one container may hold.")
+  var maxItemsPerContainer = CloudLimits().maxItemsPerContainer
+  @Option(help: "Long-polls one token may have waiting at once.")
+  var maxLongPollsPerToken = ServerLimits().maxLongPollsPerToken
+  @Option(help: "JSON bytes of one change page, e.g. 8M (a page holds at least one record).")
+  var maxChangePage = "8M"
   @OptionGroup var storage: StorageOptions
 
   func validate() throws {
@@ -123,6 +130,17 @@ struct ServeCommand: ParsableCommand {
     if Logger.Level(rawValue: logLevel) == nil { throw ValidationError("unknown --log-level \(logLevel)") }
     if pollIntervalMs < 10 { throw ValidationError("--poll-interval-ms must be >= 10") }
     _ = try collectionSchedule()
+    if maxContainers < 1 || maxItemsPerContainer < 1 || maxLongPollsPerToken < 1 {
+      throw ValidationError("--max-containers, --max-items-per-container and --max-long-polls-per-token must be >= 1")
+    }
+    _ = try changePageBytes()
+  }
+
+  func changePageBytes() throws -> Int {
+    guard let bytes = try? parseSize(maxChangePage), bytes >= 1, bytes <= Int64(Int32.max) else {
+      throw ValidationError("--max-change-page must be a size from 1 byte to 2G, e.g. 8M")
+    }
+    return Int(bytes)
   }
 
   func collectionSchedule() throws -> CollectionSchedule {
@@ -141,6 +159,10 @@ struct ServeCommand: ParsableCommand {
       var options = ServeOptions(host: host, port: port, storage: try storage.storage())
       options.limits.pollIntervalMs = pollIntervalMs
       options.collection = try collectionSchedule()
+      options.limits.maxLongPollsPerToken = maxLongPollsPerToken
+      options.limits.cloud.maxContainersPerAccount = maxContainers
+      options.limits.cloud.maxItemsPerContainer = maxItemsPerContainer
+      options.limits.cloud.maxChangePageBytes = try changePageBytes()
       if let tlsCert, let tlsKey {
         options.tls = TLSFiles(certificateChain: absolutePath(tlsCert), privateKey: absolutePath(tlsKey))
       }

@@ -21,7 +21,9 @@ final class HTTPCloudTests: XCTestCase {
   override func tearDown() { try? FileManager.default.removeItem(at: dir) }
 
   /// Runs the server for the duration of `body`, which gets its base URL and the backend.
-  func withServer(_ body: @escaping @Sendable (String, Backend) async throws -> Void) async throws {
+  func withServer(
+    limits: ServerLimits = ServerLimits(), _ body: @escaping @Sendable (String, Backend) async throws -> Void
+  ) async throws {
     var log = Logger(label: "test")
     log.logLevel = .warning
     let logger = log
@@ -29,7 +31,7 @@ final class HTTPCloudTests: XCTestCase {
       let hub = ChangeHub(pollInterval: .milliseconds(100), logger: logger) { a, c in
         try await backend.metadata.lastChange(account: a, container: c)
       }
-      let router = UbiqServer.makeRouter(backend: backend, hub: hub, metrics: ServerMetrics(), limits: ServerLimits())
+      let router = UbiqServer.makeRouter(backend: backend, hub: hub, metrics: ServerMetrics(), limits: limits)
       let (ports, portSink) = AsyncStream.makeStream(of: Int.self)
       let app = Application(
         router: router, configuration: .init(address: .hostname("127.0.0.1", port: 0)),
@@ -132,6 +134,60 @@ final class HTTPCloudTests: XCTestCase {
         _ = try await cloud.usage()
         XCTFail("expected unauthorized")
       } catch CloudError.unauthorized {}
+    }
+  }
+
+  /// Containers per account and items per container come back as `limitExceeded` (EDQUOT on
+  /// the mount); a change page stops at its byte limit and the next one carries on.
+  func testLimitsOverHTTP() async throws {
+    var limits = ServerLimits()
+    limits.cloud.maxContainersPerAccount = 1
+    limits.cloud.maxItemsPerContainer = 4  // root, Documents and two more
+    limits.cloud.maxChangePageBytes = 600
+    let c = container
+    try await withServer(limits: limits) { url, backend in
+      let (token, _) = try await backend.createAccount("carol", quotaBytes: 0, device: "setup")
+      let cloud = HTTPCloud(api: try APIClient(baseURL: url, token: token))
+      try await cloud.ensureContainer(c)
+      try await cloud.ensureContainer(c)  // an existing container is no new one
+      do {
+        try await cloud.ensureContainer(try ContainerID("iCloud.com.example.second"))
+        XCTFail("a second container was created")
+      } catch CloudError.limitExceeded(let why) {
+        XCTAssertTrue(why.contains("containers"), why)
+        XCTAssertEqual(CloudError.limitExceeded(why).errno, EDQUOT)
+      }
+      let dir: @Sendable (String) -> CloudItem = {
+        CloudItem(
+          itemID: $0, parentID: WellKnownItem.documents, name: $0, kind: .directory, mode: 0o755, size: 0, mtimeNs: 1)
+      }
+      let a = try await cloud.putItem(c, dir("a"), ifMatch: nil)
+      _ = try await cloud.putItem(c, dir("b"), ifMatch: nil)
+      do {
+        _ = try await cloud.putItem(c, dir("c"), ifMatch: nil)
+        XCTFail("a fifth item was stored")
+      } catch CloudError.limitExceeded(let why) { XCTAssertTrue(why.contains("items"), why) }
+      // Changing an item adds none; deleting one makes room.
+      var renamed = dir("a")
+      renamed.name = "a2"
+      let a2 = try await cloud.putItem(c, renamed, ifMatch: a.etag)
+      _ = try await cloud.deleteItem(c, itemID: "a", ifMatch: a2.etag, deviceID: "test")
+      _ = try await cloud.putItem(c, dir("c"), ifMatch: nil)
+      // 600 bytes hold a few records: the feed comes in several pages, nothing lost.
+      var since: Int64 = 0
+      var pages = 0
+      var seen: [String: Int64] = [:]
+      while true {
+        let page = try await cloud.changes(c, since: since, limit: 1000)
+        pages += 1
+        XCTAssertFalse(page.items.isEmpty)
+        for item in page.items { seen[item.itemID] = item.changeSeq }
+        since = page.token
+        if !page.hasMore { break }
+      }
+      XCTAssertGreaterThan(pages, 1)
+      XCTAssertEqual(Set(seen.keys), ["root", "documents", "a", "b", "c"])
+      XCTAssertEqual(since, seen.values.max())
     }
   }
 

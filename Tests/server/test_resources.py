@@ -1,11 +1,14 @@
 """Resource limits on both engines: unreferenced chunks are garbage-collected (`ubiqfs server gc`,
-and every --gc-interval inside `serve`) without touching a chunk any item still refers to."""
+and every --gc-interval inside `serve`) without touching a chunk any item still refers to;
+containers per account, items per container, long-polls per token and the bytes of a change
+page are bounded, each with a clear error."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import threading
 import time
 import urllib.parse
 
@@ -89,3 +92,79 @@ def test_serve_collects_garbage_on_its_interval(storage, new_account, tmp_path):
     finally:
         srv.stop()
     assert "garbage collection" in (tmp_path / "serve-gc.log").read_text()
+
+
+def folder(item_id: str) -> dict:
+    return item(item_id, item_id, kind=2) | {"mode": 0o755}
+
+
+def test_containers_items_and_change_pages_are_limited(storage, new_account, tmp_path):
+    srv = ServerProcess(storage, tmp_path / "serve-limits.log",
+                        extra=["--max-containers", "2", "--max-items-per-container", "5", "--max-change-page", "1K"])
+    try:
+        srv.start()
+        api = new_account(srv=srv)
+        api.ensure_container(C)
+        api.ensure_container("iCloud.com.example.second")
+        body = error(api.put(f"/v1/containers/{api.q('iCloud.com.example.third')}"), 507, "limit_exceeded")
+        assert body["errno"] == "EDQUOT" and "containers" in body["error"], body
+        api.ensure_container(C)  # an existing one is no new one
+        # Root and Documents count: three more fit.
+        etags = {}
+        for name in ("a", "b", "c"):
+            r = api.put(f"{CQ}/items/{name}", folder(name))
+            assert r.status == 201, r
+            etags[name] = r.json()["etag"]
+        body = error(api.put(f"{CQ}/items/d", folder("d")), 507, "limit_exceeded")
+        assert "items" in body["error"], body
+        renamed = folder("a") | {"name": "a2"}
+        r = api.put(f"{CQ}/items/a", renamed, headers={"If-Match": f'"{etags["a"]}"'})
+        assert r.status == 200, r  # a change adds no item
+        assert api.delete(f"{CQ}/items/b?device=dev-test", headers={"If-Match": f'"{etags["b"]}"'}).status == 200
+        assert api.put(f"{CQ}/items/d", folder("d")).status == 201
+        # 1 KiB pages: several, in order, nothing lost, each at least one record.
+        since, pages, seen = 0, 0, {}
+        while True:
+            page = api.get(f"{CQ}/changes?since={since}&limit=1000").json()
+            pages += 1
+            assert page["items"], page
+            seen.update({i["itemID"]: i["changeSeq"] for i in page["items"]})
+            since = page["token"]
+            if not page["hasMore"]:
+                break
+        assert pages > 1
+        assert set(seen) == {"root", "documents", "a", "b", "c", "d"} and since == max(seen.values())
+    finally:
+        srv.stop()
+
+
+def test_long_polls_per_token_are_limited(storage, new_account, tmp_path):
+    srv = ServerProcess(storage, tmp_path / "serve-polls.log", extra=["--max-long-polls-per-token", "2"])
+    try:
+        srv.start()
+        api = new_account(srv=srv)
+        api.ensure_container(C)
+        token = api.get(f"{CQ}/changes?since=0").json()["token"]
+        wait = f"{CQ}/changes/wait?since={token}&timeout=4000"
+        results: list = []
+
+        def poll():
+            results.append(api.get(wait, timeout=30).status)
+
+        waiting = [threading.Thread(target=poll) for _ in range(2)]
+        for t in waiting:
+            t.start()
+        time.sleep(1.0)  # both are parked
+        started = time.time()
+        error(api.get(wait), 429, "too_many_requests")
+        assert time.time() - started < 2, "the third long-poll was refused at once"
+        # Another device of the account has its own allowance.
+        other = api.with_token(api.post("/v1/devices", {"name": "tablet"}).json()["token"])
+        assert other.get(f"{CQ}/changes/wait?since={token}&timeout=100").status == 200
+        for t in waiting:
+            t.join(timeout=30)
+        assert results == [200, 200]
+        # Once they are answered, the token may wait again.
+        assert api.get(f"{CQ}/changes/wait?since={token}&timeout=100").status == 200
+    finally:
+        srv.stop()
