@@ -118,12 +118,12 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
 
   public func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
     try validate(item)
+    // Conflict versions reference chunks too: all must belong to this account.
+    let referenced = Self.referencedChunks(item)
     if item.kind == .file {
-      // Conflict versions reference chunks too: all must belong to this account.
-      let referenced = item.chunks.map(\.hash) + (item.conflicts ?? []).flatMap { $0.chunks.map(\.hash) }
-      let sizes = try await metadata.chunkSizes(account: account, hashes: Array(Set(referenced)))
+      let sizes = try await metadata.chunkSizes(account: account, hashes: Array(referenced))
       let missing = referenced.filter { sizes[$0] == nil }
-      if !missing.isEmpty { throw CloudError.missingChunks(missing) }
+      if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
       try Self.checkChunks(item.chunks, size: item.size, stored: sizes, of: "item \(item.itemID)")
       for v in item.conflicts ?? [] {
         try Self.checkChunks(v.chunks, size: v.size, stored: sizes, of: "conflict version \(v.versionID)")
@@ -133,8 +133,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     record.deleted = false
     return try await metadata.commit(
       account: account, container: container.rawValue, item: record, ifMatch: ifMatch,
-      chunks: Self.referencedChunks(record), rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer)
-    )
+      chunks: referenced, rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer))
   }
 
   /// A file version's chunk list: every length positive and equal to the stored chunk's size,

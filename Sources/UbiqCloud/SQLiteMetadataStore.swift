@@ -179,14 +179,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
+  /// Runs `body` on `hashes` in slices of at most 500, each with its `?,?,...` placeholders
+  /// (SQLite bounds the number of parameters of one statement).
+  static func inSlices(_ hashes: [String], _ body: (_ slice: [String], _ marks: String) throws -> Void) rethrows {
+    for start in stride(from: 0, to: hashes.count, by: 500) {
+      let slice = Array(hashes[start..<min(start + 500, hashes.count)])
+      try body(slice, Array(repeating: "?", count: slice.count).joined(separator: ","))
+    }
+  }
+
   /// Marks a commit's chunks used, inside its transaction; throws `missingChunks` for any that
   /// is not a live chunk of the account.
   static func useChunks(_ db: Database, _ account: String, _ chunks: Set<String>, now: Int64) throws {
-    let hashes = Array(chunks)
     var missing: [String] = []
-    for batch in stride(from: 0, to: hashes.count, by: 500) {
-      let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
-      let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+    try inSlices(Array(chunks)) { slice, marks in
       try db.execute(
         sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
         arguments: StatementArguments([now as (any DatabaseValueConvertible)?, account] + slice))
@@ -292,9 +298,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     if hashes.isEmpty { return [] }
     return try await pool.read { db in
       var found = Set<String>()
-      for batch in stride(from: 0, to: hashes.count, by: 500) {
-        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
-        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+      try Self.inSlices(hashes) { slice, marks in
         let got = try String.fetchAll(
           db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
           arguments: StatementArguments([account] + slice))
@@ -308,9 +312,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     if hashes.isEmpty { return [:] }
     return try await pool.read { db in
       var found: [String: Int64] = [:]
-      for batch in stride(from: 0, to: hashes.count, by: 500) {
-        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
-        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+      try Self.inSlices(hashes) { slice, marks in
         for row in try Row.fetchAll(
           db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
           arguments: StatementArguments([account] + slice))
@@ -355,9 +357,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func touchChunks(account: String, hashes: [String], now: Int64) async throws {
     if hashes.isEmpty { return }
     try await pool.write { db in
-      for batch in stride(from: 0, to: hashes.count, by: 500) {
-        let slice = Array(hashes[batch..<min(batch + 500, hashes.count)])
-        let marks = Array(repeating: "?", count: slice.count).joined(separator: ",")
+      try Self.inSlices(hashes) { slice, marks in
         try db.execute(
           sql: """
             UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND lastUsed < ? AND hash IN (\(marks))

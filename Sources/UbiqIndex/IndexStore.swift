@@ -224,15 +224,24 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   static func syncedCommit(_ db: Database) throws {
-    try db.execute(sql: "PRAGMA synchronous = FULL")
-    defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
-    try db.inTransaction {
+    try inSyncedTransaction(db) { db in
       // A value that changes: an UPDATE that writes identical bytes leaves no WAL frame to sync.
       try db.execute(
         sql: """
           INSERT INTO meta(key, value) VALUES ('durableSeq', '1')
           ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1
           """)
+    }
+  }
+
+  /// Runs `body` in a transaction committed with synchronous=FULL: once this returns, the WAL
+  /// is synced, this transaction's changes and every earlier commit with them. `body` must
+  /// change something, or there is no frame to sync.
+  static func inSyncedTransaction(_ db: Database, _ body: (Database) throws -> Void) throws {
+    try db.execute(sql: "PRAGMA synchronous = FULL")
+    defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
+    try db.inTransaction {
+      try body(db)
       return .commit
     }
   }
@@ -360,15 +369,12 @@ public final class IndexStore: @unchecked Sendable {
           WHERE q.item IN (\(marks)) AND q.commitSent = 0 AND i.etag IS NULL
           """, arguments: StatementArguments(items))
       guard (unmarked ?? 0) > 0 else { return }
-      try db.execute(sql: "PRAGMA synchronous = FULL")
-      defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
-      try db.inTransaction {
+      try Self.inSyncedTransaction(db) { db in
         try db.execute(
           sql: """
             UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
             AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
             """, arguments: StatementArguments(items))
-        return .commit
       }
     }
   }
