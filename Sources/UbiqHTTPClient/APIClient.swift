@@ -155,31 +155,48 @@ public struct APIClient: Sendable {
     public var usage: Usage?
   }
 
-  /// Maps an error response back to the typed error the engine threw on the server.
+  /// Maps an error response back to the typed error the engine threw on the server. The
+  /// response's message is that error's whole description; the rebuilt error gets the detail
+  /// only, so it reads exactly as it did on the server.
   public static func error(status: Int, body: Data) -> Error {
     let parsed = try? decoder.decode(ErrorBody.self, from: body)
     let message = parsed?.error ?? String(decoding: body.prefix(300), as: UTF8.self)
+    func typed<E: Error & CustomStringConvertible>(_ make: (String) -> E) -> E {
+      make(detail(of: message, writtenBy: make))
+    }
     switch (status, parsed?.code ?? "") {
     case (409, "conflict"):
       if let current = parsed?.current { return CloudError.conflict(current: current) }
-      return CloudError.invalid(message)
-    case (409, "exists"): return CloudError.exists(message)
-    case (409, "bad_parent"): return CloudError.badParent(message)
-    case (409, "cycle"): return CloudError.cycle(message)
-    case (409, "name_taken"): return CloudError.nameTaken(message)
-    case (409, "not_empty"): return CloudError.notEmpty(message)
-    case (400, "invalid_id"): return CloudError.invalidID(message)
+      return typed(CloudError.invalid)
+    case (409, "exists"): return typed(CloudError.exists)
+    case (409, "bad_parent"): return typed(CloudError.badParent)
+    case (409, "cycle"): return typed(CloudError.cycle)
+    case (409, "name_taken"): return typed(CloudError.nameTaken)
+    case (409, "not_empty"): return typed(CloudError.notEmpty)
+    case (400, "invalid_id"): return typed(CloudError.invalidID)
     case (_, "missing_chunks"): return CloudError.missingChunks(parsed?.missing ?? [])
-    case (_, "hash_mismatch"): return CloudError.hashMismatch(message)
-    case (_, "kv_quota"): return KeyValueError.quotaViolation(message)
-    case (_, "invalid_key"): return KeyValueError.invalidKey(message)
-    case (507, "limit_exceeded"): return CloudError.limitExceeded(message)
+    case (_, "hash_mismatch"): return typed(CloudError.hashMismatch)
+    case (_, "kv_quota"): return typed(KeyValueError.quotaViolation)
+    case (_, "invalid_key"): return typed(KeyValueError.invalidKey)
+    case (507, "limit_exceeded"): return typed(CloudError.limitExceeded)
     case (507, _): return CloudError.quotaExceeded(parsed?.usage ?? Usage(usedBytes: 0, quotaBytes: 0))
-    case (404, _): return CloudError.notFound(message)
-    case (401, _), (403, _): return CloudError.unauthorized(message)
-    case (400, _), (413, _), (416, _), (422, _): return CloudError.invalid(message)
+    case (404, _): return typed(CloudError.notFound)
+    case (401, _), (403, _): return typed(CloudError.unauthorized)
+    case (400, _), (413, _), (416, _), (422, _): return typed(CloudError.invalid)
     default: return CloudError.unavailable("HTTP \(status): \(message)")
     }
+  }
+
+  /// The detail that `make(detail).description` wrapped into `message`, found by rendering
+  /// `make` around a marker; a message written some other way is the detail as it is.
+  static func detail<E: CustomStringConvertible>(of message: String, writtenBy make: (String) -> E) -> String {
+    let marker = "\u{1}"
+    let frame = make(marker).description.components(separatedBy: marker)
+    guard frame.count == 2, message.utf8.count >= frame[0].utf8.count + frame[1].utf8.count,
+      message.hasPrefix(frame[0]), message.hasSuffix(frame[1])
+    else { return message }
+    let bytes = message.utf8.dropFirst(frame[0].utf8.count).dropLast(frame[1].utf8.count)
+    return String(decoding: bytes, as: UTF8.self)
   }
 
   public func json<T: Decodable>(_ type: T.Type, _ data: Data) throws -> T {

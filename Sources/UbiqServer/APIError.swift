@@ -36,12 +36,16 @@ public struct APIError: Error, Sendable {
     var errno: String?
   }
 
-  func response() -> Response {
+  /// The JSON body of the error response.
+  func body() -> Data {
     let body = Body(error: message, code: code, current: current, missing: missing, usage: usage, errno: errno)
+    return (try? HTTPHelpers.encoder.encode(body)) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
+  }
+
+  func response() -> Response {
     var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
     if status == .unauthorized { headers[.wwwAuthenticate] = "Bearer realm=\"ubiqfs\"" }
-    let data = (try? HTTPHelpers.encoder.encode(body)) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
-    return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
+    return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: body())))
   }
 
   /// The API error for anything a handler or the engine threw.

@@ -221,6 +221,31 @@ final class HTTPCloudTests: XCTestCase {
     }
   }
 
+  /// Every typed error the server sends reads the same after the client rebuilds it: the
+  /// message a user sees carries its prefix once ("name taken: ...", not "name taken: name
+  /// taken: ..."), the case and its errno are kept.
+  func testErrorsReadTheSameOnBothSidesOfTheWire() throws {
+    let item = Self.file("a", Data("x".utf8))
+    let sent: [Error] = [
+      CloudError.conflict(current: item), CloudError.missingChunks(["h1", "h2"]), CloudError.hashMismatch("h3"),
+      CloudError.quotaExceeded(Usage(usedBytes: 5, quotaBytes: 4)), CloudError.notFound("item x"),
+      CloudError.invalid("size -1"), CloudError.exists("account alice"), CloudError.unauthorized("token revoked"),
+      CloudError.invalidID("item id '..'"), CloudError.badParent("parent p is a file"),
+      CloudError.cycle("x would be under itself"), CloudError.nameTaken("Documents/f is item i1"),
+      CloudError.notEmpty("folder d"), CloudError.limitExceeded("10 items per container"),
+      KeyValueError.invalidKey("empty key"), KeyValueError.quotaViolation("over 1 MiB"),
+    ]
+    for error in sent {
+      let api = try XCTUnwrap(APIError.from(error), "\(error)")
+      let received = APIClient.error(status: Int(api.status.code), body: api.body())
+      XCTAssertEqual("\(received)", "\(error)")
+      XCTAssertEqual(String(describing: type(of: received)), String(describing: type(of: error)))
+      if let cloud = error as? CloudError {
+        XCTAssertEqual((received as? CloudError)?.errno, cloud.errno, "\(error)")
+      }
+    }
+  }
+
   func testUnreachableServerFailsFastAsUnavailable() async throws {
     // A port nobody listens on.
     let cloud = HTTPCloud(api: try APIClient(baseURL: "http://127.0.0.1:9", token: "ubq_x"))
