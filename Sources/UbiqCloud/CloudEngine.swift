@@ -92,9 +92,21 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     guard grace >= 0 else { throw CloudError.invalid("a grace period cannot be negative") }
     let (cutoff, overflow) = Clock.nowSeconds().subtractingReportingOverflow(grace)
     let doomed = try await metadata.doomUnreferencedChunks(account: account, unusedBefore: overflow ? 0 : cutoff)
-    for hash in doomed { try await blobs.delete(account: account, hash: hash) }
-    let bytes = try await metadata.forgetDoomedChunks(account: account, hashes: doomed)
-    return CollectedChunks(chunks: doomed.count, bytes: bytes)
+    // A chunk whose bytes could not be deleted stays doomed for the next pass; the others are
+    // forgotten now, so they can be stored again at once.
+    var deleted: [String] = []
+    var failure: String?
+    for hash in doomed {
+      do {
+        try await blobs.delete(account: account, hash: hash)
+        deleted.append(hash)
+      } catch {
+        failure = failure ?? "\(error)"
+      }
+    }
+    let bytes = try await metadata.forgetDoomedChunks(account: account, hashes: deleted)
+    return CollectedChunks(
+      chunks: deleted.count, bytes: bytes, undeleted: doomed.count - deleted.count, failure: failure)
   }
 
   /// The size of one of this account's chunks; `notFound` for a hash it never stored.

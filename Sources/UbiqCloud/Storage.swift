@@ -63,11 +63,21 @@ public protocol MetadataStore: Sendable {
 
 /// What one garbage-collection pass removed from an account.
 public struct CollectedChunks: Codable, Sendable, Equatable {
+  /// Chunks deleted and forgotten.
   public var chunks: Int
+  /// Their bytes, taken off the account's usage.
   public var bytes: Int64
-  public init(chunks: Int, bytes: Int64) {
+  /// Doomed chunks whose bytes could not be deleted: they stay doomed (not storable) until a
+  /// later pass deletes them.
+  public var undeleted: Int
+  /// The first delete failure, when `undeleted` is not zero.
+  public var failure: String?
+
+  public init(chunks: Int, bytes: Int64, undeleted: Int = 0, failure: String? = nil) {
     self.chunks = chunks
     self.bytes = bytes
+    self.undeleted = undeleted
+    self.failure = failure
   }
 }
 

@@ -228,6 +228,10 @@ public final class Daemon {
         if collected.chunks > 0 {
           log.info("embedded cloud: \(collected.chunks) unreferenced chunks deleted, \(collected.bytes) bytes freed")
         }
+        if let failure = collected.failure {
+          log.warning(
+            "embedded cloud: \(collected.undeleted) chunks not deleted (the next pass retries): \(failure)")
+        }
       } catch {
         log.warning("embedded cloud: garbage collection failed (the next pass retries): \(error)")
       }

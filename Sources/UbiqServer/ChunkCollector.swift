@@ -11,14 +11,19 @@ public struct CollectionSchedule: Sendable {
   /// query that found it, a commit that referred to it): covers uploads in flight.
   public var grace: Int64
 
-  public init(interval: Int64? = 6 * 3600, grace: Int64 = 24 * 3600) {
+  /// Seconds from the server's start to its first pass: soon, so that a server restarted more
+  /// often than `interval` still collects.
+  public var firstPassAfter: Int64
+
+  public init(interval: Int64? = 6 * 3600, grace: Int64 = 24 * 3600, firstPassAfter: Int64 = 60) {
     self.interval = interval
     self.grace = grace
+    self.firstPassAfter = firstPassAfter
   }
 }
 
-/// The server's garbage collector: every `schedule.interval` seconds, one pass over every
-/// account (`CloudEngine.collectGarbage`). Owns nothing but its loop; several server processes
+/// The server's garbage collector: a first pass `schedule.firstPassAfter` seconds after the
+/// start, then one every `schedule.interval` seconds, each over every account (`CloudEngine.collectGarbage`). Owns nothing but its loop; several server processes
 /// over one database may each run one (passes are idempotent). Stops on graceful shutdown.
 public struct ChunkCollector: Service {
   let backend: Backend
@@ -38,9 +43,11 @@ public struct ChunkCollector: Service {
       return
     }
     await cancelWhenGracefulShutdown {
+      var wait = min(self.schedule.firstPassAfter, interval)
       while !Task.isCancelled {
-        do { try await Task.sleep(for: .seconds(interval)) } catch { return }
+        do { try await Task.sleep(for: .seconds(wait)) } catch { return }
         await self.pass()
+        wait = interval
       }
     }
   }
@@ -57,6 +64,11 @@ public struct ChunkCollector: Service {
         let collected = try await backend.engine(account: account).collectGarbage(grace: schedule.grace)
         if collected.chunks > 0 {
           log.info("garbage collection: \(account): \(collected.chunks) chunks, \(collected.bytes) bytes freed")
+        }
+        if let failure = collected.failure {
+          log.warning(
+            "garbage collection of \(account): \(collected.undeleted) chunks not deleted (the next pass retries): \(failure)"
+          )
         }
       } catch {
         log.warning("garbage collection of \(account) failed (the next pass retries): \(error)")

@@ -211,6 +211,9 @@ struct ServerCommand: ParsableCommand {
       var account: String
       var chunks: Int
       var bytes: Int64
+      /// Chunks whose bytes could not be deleted (the next pass retries them).
+      var undeleted: Int
+      var failure: String?
     }
 
     func run() throws {
@@ -220,7 +223,10 @@ struct ServerCommand: ParsableCommand {
           var results: [AccountResult] = []
           for account in try await backend.metadata.accounts() {
             let collected = try await backend.engine(account: account).collectGarbage(grace: grace)
-            results.append(AccountResult(account: account, chunks: collected.chunks, bytes: collected.bytes))
+            results.append(
+              AccountResult(
+                account: account, chunks: collected.chunks, bytes: collected.bytes, undeleted: collected.undeleted,
+                failure: collected.failure))
           }
           return results
         }
@@ -231,6 +237,11 @@ struct ServerCommand: ParsableCommand {
         } else {
           for r in results { print("\(r.account)\t\(r.chunks) chunks\t\(formatBytes(r.bytes)) freed") }
         }
+        let stuck = results.filter { $0.undeleted > 0 }
+        for r in stuck {
+          eprint("ubiqfs: \(r.account): \(r.undeleted) chunks could not be deleted: \(r.failure ?? "unknown error")")
+        }
+        if !stuck.isEmpty { throw ExitCode.failure }
       }
     }
   }

@@ -135,4 +135,60 @@ final class GarbageCollectionTests: XCTestCase {
     XCTAssertTrue(blobExists("doomed"))
     _ = try await cloud.putItem(container, file("g", "doomed"), ifMatch: nil)
   }
+
+  /// A blob store whose deletes of some hashes fail, as an S3 outage would.
+  final class FailingDeletes: BlobStore, @unchecked Sendable {
+    let inner: BlobStore
+    let failing: Set<String>
+    init(_ inner: BlobStore, failing: Set<String>) {
+      self.inner = inner
+      self.failing = failing
+    }
+    func contains(account: String, hash: String) async throws -> Bool {
+      try await inner.contains(account: account, hash: hash)
+    }
+    func put(account: String, hash: String, data: Data) async throws {
+      try await inner.put(account: account, hash: hash, data: data)
+    }
+    func get(account: String, hash: String, range: Range<Int64>?) async throws -> Data {
+      try await inner.get(account: account, hash: hash, range: range)
+    }
+    func delete(account: String, hash: String) async throws {
+      if failing.contains(hash) { throw CloudError.unavailable("S3 DELETE \(hash): 503 SlowDown") }
+      try await inner.delete(account: account, hash: hash)
+    }
+  }
+
+  func testABlobThatCannotBeDeletedStaysDoomedAndTheOthersAreCollected() async throws {
+    let healthy = try CloudEngine.embedded(directory: dir)
+    try await healthy.ensureContainer(container)
+    for text in ["first", "stuck", "third"] { try await put(healthy, text) }
+    try ageChunks(healthy)
+    let flaky = CloudEngine(
+      account: healthy.account, metadata: healthy.metadata,
+      blobs: FailingDeletes(healthy.blobs, failing: [hash("stuck")]))
+
+    let collected = try await flaky.collectGarbage(grace: 3600)
+
+    XCTAssertEqual(collected.chunks, 2)
+    XCTAssertEqual(collected.bytes, Int64("first".count + "third".count))
+    XCTAssertEqual(collected.undeleted, 1)
+    XCTAssertTrue(collected.failure?.contains("SlowDown") == true, "\(collected)")
+    XCTAssertFalse(blobExists("first"))
+    XCTAssertFalse(blobExists("third"))
+    // The chunks whose bytes are gone can be stored again at once; the stuck one waits.
+    try await put(healthy, "first")
+    do {
+      try await put(healthy, "stuck")
+      XCTFail("a chunk whose bytes may still be deleted was stored again")
+    } catch CloudError.unavailable {}
+    // The next pass, with deletes working again, finishes it.
+    let next = try await healthy.collectGarbage(grace: 3600)
+    XCTAssertEqual(next.chunks, 1)
+    XCTAssertEqual(next.undeleted, 0)
+    XCTAssertNil(next.failure)
+    XCTAssertFalse(blobExists("stuck"))
+    try await put(healthy, "stuck")
+    XCTAssertTrue(blobExists("stuck"))
+  }
 }

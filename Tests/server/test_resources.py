@@ -56,11 +56,12 @@ def test_gc_deletes_unreferenced_chunks_and_keeps_every_referenced_one(storage, 
     assert usage == sum(map(len, (kept, first, second, orphan, deleted)))
 
     # With the default grace (24 h) nothing just used goes.
-    assert gc(storage, "24h")[api.account] == {"account": api.account, "chunks": 0, "bytes": 0}
+    assert gc(storage, "24h")[api.account] == {"account": api.account, "chunks": 0, "bytes": 0, "undeleted": 0}
     time.sleep(1.1)  # grace 0 keeps what was used within the current second
     freed = gc(storage)[api.account]
 
-    assert freed == {"account": api.account, "chunks": 3, "bytes": len(first) + len(orphan) + len(deleted)}
+    assert freed == {"account": api.account, "chunks": 3, "bytes": len(first) + len(orphan) + len(deleted),
+                     "undeleted": 0}
     assert api.get("/v1/usage").json()["usedBytes"] == len(kept) + len(second)
     for gone in (first, orphan, deleted):
         error(api.get(f"/v1/chunks/{sha(gone)}"), 404, "not_found")
