@@ -17,12 +17,28 @@ public struct ChangeBatch: Codable, Sendable {
 
 /// Storage use of one account.
 public struct Usage: Codable, Sendable, Equatable {
+  /// What the quota is compared with: chunk bytes plus `metadataBytes`.
   public var usedBytes: Int64
   /// 0 means unlimited.
   public var quotaBytes: Int64
-  public init(usedBytes: Int64, quotaBytes: Int64) {
+  /// The part of `usedBytes` that item records cost (`MetadataCost`); nil from a server that
+  /// does not count it.
+  public var metadataBytes: Int64?
+
+  public init(usedBytes: Int64, quotaBytes: Int64, metadataBytes: Int64? = nil) {
     self.usedBytes = usedBytes
     self.quotaBytes = quotaBytes
+    self.metadataBytes = metadataBytes
+  }
+
+  /// The bytes of stored chunks.
+  public var chunkBytes: Int64 { usedBytes - (metadataBytes ?? 0) }
+
+  /// True if `more` bytes fit within the quota (always for nothing more, or no quota).
+  public func admits(_ more: Int64) -> Bool {
+    guard more > 0, quotaBytes > 0 else { return true }
+    let (total, overflow) = usedBytes.addingReportingOverflow(more)
+    return !overflow && total <= quotaBytes
   }
 }
 

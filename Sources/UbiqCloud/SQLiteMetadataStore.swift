@@ -93,6 +93,16 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
             AND i.container = containers.container AND i.deleted = 0);
           """)
     }
+    migrator.registerMigration("v7-metadata-cost") { db in
+      // What the account's live records cost against its quota (`MetadataCost`), kept by every
+      // commit.
+      try db.execute(
+        sql: """
+          ALTER TABLE accounts ADD COLUMN metadataBytes INTEGER NOT NULL DEFAULT 0;
+          UPDATE accounts SET metadataBytes = (SELECT coalesce(sum(? + length(i.record)), 0) FROM items i
+            WHERE i.account = accounts.name AND i.deleted = 0 AND i.itemID NOT IN (?, ?));
+          """, arguments: [MetadataCost.perItem, WellKnownItem.root, WellKnownItem.documents])
+    }
     try migrator.migrate(pool)
   }
 
@@ -175,7 +185,36 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           sql: "UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?",
           arguments: [delta, account, container])
       }
-      return try Self.store(db, account, container, item)
+      let before = try Self.liveRecordBytes(db, account, container, item.itemID)
+      let stored = try Self.store(db, account, container, item)
+      try Self.chargeMetadata(db, account, container, item.itemID, before: before)
+      return stored
+    }
+  }
+
+  /// The stored size of an item's record if it is live and not free of cost.
+  static func liveRecordBytes(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws
+    -> Int64?
+  {
+    if MetadataCost.free.contains(itemID) { return nil }
+    return try Int64.fetchOne(
+      db, sql: "SELECT length(record) FROM items WHERE account = ? AND container = ? AND itemID = ? AND deleted = 0",
+      arguments: [account, container, itemID])
+  }
+
+  /// Adds what the item's record now costs, against `before` (its live size before the write),
+  /// to the account's metadata bytes; refuses growth past the quota.
+  static func chargeMetadata(
+    _ db: Database, _ account: String, _ container: String, _ itemID: String, before: Int64?
+  ) throws {
+    let charge = MetadataCost.charge(before: before, after: try liveRecordBytes(db, account, container, itemID))
+    if charge > 0 {
+      let usage = try usageRow(db, account)
+      guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
+    }
+    if charge != 0 {
+      try db.execute(
+        sql: "UPDATE accounts SET metadataBytes = metadataBytes + ? WHERE name = ?", arguments: [charge, account])
     }
   }
 
@@ -333,7 +372,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws {
     try await pool.write { db in
-      let (used, quota) = try Self.usageRow(db, account)
+      let usage = try Self.usageRow(db, account)
       if let doomed = try Bool.fetchOne(
         db, sql: "SELECT doomed FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
       {
@@ -342,10 +381,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND hash = ?", arguments: [now, account, hash])
         return
       }
-      let (total, overflow) = used.addingReportingOverflow(size)
-      if quota > 0 && (overflow || total > quota) {
-        throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
-      }
+      guard usage.admits(size) else { throw CloudError.quotaExceeded(usage) }
       try db.execute(
         sql: "INSERT INTO chunks(account, hash, size, lastUsed) VALUES (?,?,?,?)",
         arguments: [account, hash, size, now])
@@ -418,19 +454,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  static func usageRow(_ db: Database, _ account: String) throws -> (Int64, Int64) {
+  /// The account's usage: chunk bytes plus metadata bytes, and its quota.
+  static func usageRow(_ db: Database, _ account: String) throws -> Usage {
     guard
       let row = try Row.fetchOne(
-        db, sql: "SELECT usedBytes, quotaBytes FROM accounts WHERE name = ?", arguments: [account])
+        db, sql: "SELECT usedBytes, quotaBytes, metadataBytes FROM accounts WHERE name = ?", arguments: [account])
     else { throw CloudError.notFound("account \(account)") }
-    return (row["usedBytes"], row["quotaBytes"])
+    let chunks: Int64 = row["usedBytes"]
+    let metadata: Int64 = row["metadataBytes"]
+    let (used, overflow) = chunks.addingReportingOverflow(metadata)
+    return Usage(usedBytes: overflow ? .max : used, quotaBytes: row["quotaBytes"], metadataBytes: metadata)
   }
 
   public func usage(account: String) async throws -> Usage {
-    try await pool.read { db in
-      let (u, q) = try Self.usageRow(db, account)
-      return Usage(usedBytes: u, quotaBytes: q)
-    }
+    try await pool.read { db in try Self.usageRow(db, account) }
   }
 
   public func setQuota(account: String, bytes: Int64) async throws {

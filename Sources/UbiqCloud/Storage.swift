@@ -61,6 +61,31 @@ public protocol MetadataStore: Sendable {
   func setQuota(account: String, bytes: Int64) async throws
 }
 
+/// What item records cost against an account's quota, besides their chunks: every live record
+/// costs `perItem` bytes (its index entries and change-feed row) plus the bytes of the record
+/// as stored (name, symlink target, extended attributes, chunk list, conflict versions).
+/// Tombstones cost nothing, so deleting always frees, and neither do a container's root and
+/// Documents folders (`free`), so an empty container costs nothing. Both metadata stores keep
+/// each account's sum up to date in the transaction of every write and refuse a write that
+/// grows it past the quota.
+public enum MetadataCost {
+  public static let perItem: Int64 = 512
+  /// The items every container has from its creation.
+  public static let free: Set<String> = [WellKnownItem.root, WellKnownItem.documents]
+
+  /// The cost of a live record stored in `bytes` bytes; nil (no live record) costs nothing.
+  public static func of(storedBytes bytes: Int64?) -> Int64 {
+    guard let bytes else { return 0 }
+    return perItem + bytes
+  }
+
+  /// What replacing a live record of `before` bytes (nil: none) by one of `after` bytes adds to
+  /// the account's usage (negative: frees).
+  public static func charge(before: Int64?, after: Int64?) -> Int64 {
+    of(storedBytes: after) - of(storedBytes: before)
+  }
+}
+
 /// What one garbage-collection pass removed from an account.
 public struct CollectedChunks: Codable, Sendable, Equatable {
   /// Chunks deleted and forgotten.

@@ -256,6 +256,16 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     UPDATE containers c SET live_items = (SELECT count(*) FROM items i WHERE i.account = c.account
       AND i.container = c.container AND NOT i.deleted) WHERE live_items IS NULL
     """,
+    // What the account's live records cost against its quota (`MetadataCost`), kept by every
+    // commit.
+    "ALTER TABLE accounts ADD COLUMN IF NOT EXISTS metadata_bytes BIGINT",
+    """
+    UPDATE accounts a SET metadata_bytes = (SELECT coalesce(sum(\(MetadataCost.perItem) + octet_length(i.record)), 0)
+      FROM items i WHERE i.account = a.name AND NOT i.deleted
+        AND i.item_id NOT IN ('\(WellKnownItem.root)', '\(WellKnownItem.documents)')) WHERE metadata_bytes IS NULL
+    """,
+    "ALTER TABLE accounts ALTER COLUMN metadata_bytes SET DEFAULT 0",
+    "ALTER TABLE accounts ALTER COLUMN metadata_bytes SET NOT NULL",
   ]
 
   static func first<T: PostgresDecodable & Sendable>(_ rows: PostgresRowSequence, _ type: T.Type) async throws -> T? {
@@ -362,7 +372,40 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           AND container = \(container)
           """, logger: log)
       }
-      return try await self.store(conn, account, container, item)
+      let before = try await self.liveRecordBytes(conn, account, container, item.itemID)
+      let stored = try await self.store(conn, account, container, item)
+      try await self.chargeMetadata(conn, account, container, item.itemID, before: before)
+      return stored
+    }
+  }
+
+  /// The stored size of an item's record if it is live and not free of cost.
+  func liveRecordBytes(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String)
+    async throws -> Int64?
+  {
+    if MetadataCost.free.contains(itemID) { return nil }
+    return try await Self.first(
+      try await conn.query(
+        """
+        SELECT octet_length(record)::BIGINT FROM items WHERE account = \(account) AND container = \(container)
+          AND item_id = \(itemID) AND NOT deleted
+        """, logger: log), Int64.self)
+  }
+
+  /// Adds what the item's record now costs, against `before` (its live size before the write),
+  /// to the account's metadata bytes; refuses growth past the quota.
+  func chargeMetadata(
+    _ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String, before: Int64?
+  ) async throws {
+    let charge = MetadataCost.charge(
+      before: before, after: try await liveRecordBytes(conn, account, container, itemID))
+    if charge > 0 {
+      let usage = try await usageRow(conn, account, lock: true)
+      guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
+    }
+    if charge != 0 {
+      try await conn.query(
+        "UPDATE accounts SET metadata_bytes = metadata_bytes + \(charge) WHERE name = \(account)", logger: log)
     }
   }
 
@@ -531,7 +574,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
 
   public func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws {
     try await transaction { conn in
-      let (used, quota) = try await self.usageRow(conn, account, lock: true)
+      let usage = try await self.usageRow(conn, account, lock: true)
       if let doomed = try await Self.first(
         try await conn.query(
           "SELECT doomed FROM chunks WHERE account = \(account) AND hash = \(hash) FOR UPDATE", logger: log),
@@ -542,10 +585,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           "UPDATE chunks SET last_used = \(now) WHERE account = \(account) AND hash = \(hash)", logger: log)
         return
       }
-      let (total, overflow) = used.addingReportingOverflow(size)
-      if quota > 0 && (overflow || total > quota) {
-        throw CloudError.quotaExceeded(Usage(usedBytes: used, quotaBytes: quota))
-      }
+      guard usage.admits(size) else { throw CloudError.quotaExceeded(usage) }
       try await conn.query(
         "INSERT INTO chunks(account, hash, size, last_used) VALUES (\(account), \(hash), \(size), \(now))",
         logger: log)
@@ -634,21 +674,25 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  func usageRow(_ conn: PostgresConnection, _ account: String, lock: Bool = false) async throws -> (Int64, Int64) {
+  /// The account's usage: chunk bytes plus metadata bytes, and its quota; `lock` holds the
+  /// account's row until the transaction ends.
+  func usageRow(_ conn: PostgresConnection, _ account: String, lock: Bool = false) async throws -> Usage {
     let rows =
       lock
       ? try await conn.query(
-        "SELECT used_bytes, quota_bytes FROM accounts WHERE name = \(account) FOR UPDATE", logger: log)
-      : try await conn.query("SELECT used_bytes, quota_bytes FROM accounts WHERE name = \(account)", logger: log)
-    for try await row in rows.decode((Int64, Int64).self) { return row }
+        "SELECT used_bytes, quota_bytes, metadata_bytes FROM accounts WHERE name = \(account) FOR UPDATE",
+        logger: log)
+      : try await conn.query(
+        "SELECT used_bytes, quota_bytes, metadata_bytes FROM accounts WHERE name = \(account)", logger: log)
+    for try await (chunks, quota, metadata) in rows.decode((Int64, Int64, Int64?).self) {
+      let (used, overflow) = chunks.addingReportingOverflow(metadata ?? 0)
+      return Usage(usedBytes: overflow ? .max : used, quotaBytes: quota, metadataBytes: metadata ?? 0)
+    }
     throw CloudError.notFound("account \(account)")
   }
 
   public func usage(account: String) async throws -> Usage {
-    try await read { conn in
-      let (u, q) = try await self.usageRow(conn, account)
-      return Usage(usedBytes: u, quotaBytes: q)
-    }
+    try await read { conn in try await self.usageRow(conn, account) }
   }
 
   public func setQuota(account: String, bytes: Int64) async throws {

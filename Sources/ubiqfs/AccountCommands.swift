@@ -154,6 +154,8 @@ struct AccountCommand: ParsableCommand {
       var reachable: Bool?
       var usedBytes: Int64?
       var quotaBytes: Int64?
+      /// The part of usedBytes that item records cost.
+      var metadataBytes: Int64?
       var error: String?
     }
 
@@ -181,6 +183,7 @@ struct AccountCommand: ParsableCommand {
           r.reachable = true
           r.usedBytes = info.usage.usedBytes
           r.quotaBytes = info.usage.quotaBytes
+          r.metadataBytes = info.usage.metadataBytes
         } catch {
           r.reachable = false
           r.error = "\(error)"
@@ -193,7 +196,8 @@ struct AccountCommand: ParsableCommand {
         print("identity \(r.identityToken)")
         if r.reachable == true {
           let quota = r.quotaBytes! > 0 ? formatBytes(r.quotaBytes!) : "unlimited"
-          print("used \(formatBytes(r.usedBytes!)) of \(quota)")
+          let metadata = r.metadataBytes.map { " (\(formatBytes($0)) of it item metadata)" } ?? ""
+          print("used \(formatBytes(r.usedBytes!)) of \(quota)\(metadata)")
         } else {
           print("server unreachable: \(r.error ?? "")")
         }

@@ -372,9 +372,9 @@ struct ServerCommand: ParsableCommand {
             for a in try await backend.metadata.accounts() {
               out.append((a, try await backend.metadata.usage(account: a)))
             }
-            return out.map { "\($0.0)\t\($0.1.usedBytes)\t\($0.1.quotaBytes)" }
+            return out.map { "\($0.0)\t\($0.1.usedBytes)\t\($0.1.quotaBytes)\t\($0.1.metadataBytes ?? 0)" }
           }
-          print("account\tusedBytes\tquotaBytes")
+          print("account\tusedBytes\tquotaBytes\tmetadataBytes")
           for row in rows { print(row) }
         }
       }

@@ -123,7 +123,7 @@ final class HTTPCloudTests: XCTestCase {
         try await cloud.putChunk(hash: Chunker.sha256Hex(big), data: big)
         XCTFail("expected quota error")
       } catch CloudError.quotaExceeded(let usage) {
-        XCTAssertEqual(usage, Usage(usedBytes: Int64(data.count), quotaBytes: 1000))
+        XCTAssertEqual(usage, Usage(usedBytes: Int64(data.count), quotaBytes: 1000, metadataBytes: 0))
         XCTAssertEqual(CloudError.quotaExceeded(usage).errno, EDQUOT)
       }
       let usage = try await cloud.usage()

@@ -67,6 +67,28 @@ def test_quota_exceeded_keeps_write_local_then_uploads(ubiq):
         pass
 
 
+def test_metadata_past_the_quota_keeps_the_change_local_then_uploads(ubiq):
+    """Item records count against the quota: 20 KB of extended attributes on a synced file,
+    with the account at its quota, stay local (readable, EDQUOT in status and xattrs) and go up
+    once space is freed."""
+    f = ubiq.docs / "tagged.txt"
+    f.write_bytes(b"small")
+    ubiq.sync(f)
+    set_quota(ubiq, 1)  # at or past the quota already: any growth is refused
+    note = os.urandom(20_000)
+    os.setxattr(f, "user.note", note)
+    wait_for(lambda: "EDQUOT" in (ubiq.status()[0]["queue"]["failing"] or [{"error": ""}])[0]["error"],
+             timeout=15, what="EDQUOT in status")
+    assert "EDQUOT" in Ubiq.xattr(f, "user.ubiq.upload_error")
+    assert "quota exceeded" in Ubiq.xattr(f, "user.ubiq.upload_error")
+    assert os.getxattr(f, "user.note") == note  # still here, on the mount
+    assert "user.note" not in (ubiq.cloud_item_for(f) or {}).get("xattrs", {})
+    set_quota(ubiq, 0)
+    ubiq.sync(f)
+    assert "user.note" in ubiq.cloud_item_for(f)["xattrs"]
+    assert f.read_bytes() == b"small"
+
+
 def test_repeated_saves_coalesce_into_newest(ubiq):
     ubiq.unmount()
     ubiq.mount("--upload-delay-ms", "1500")

@@ -171,7 +171,7 @@ def test_chunks_hash_verification_range_and_missing(api):
     r = api.request("HEAD", f"/v1/chunks/{h}")
     assert r.status == 200 and r.headers["content-length"] == str(len(data))
     error(api.get(f"/v1/chunks/{sha(b'unknown')}"), 404, "not_found")
-    assert api.get("/v1/usage").json()["usedBytes"] == len(data)
+    assert api.chunk_bytes() == len(data)
 
 
 # ---------------------------------------------------------------------------- isolation
@@ -203,7 +203,7 @@ def test_accounts_never_see_each_other(new_account):
     # After uploading the same bytes himself he has his own copy and usage.
     assert put_file(bob, "b1", "copy.txt", secret).status == 201
     assert bob.get(f"/v1/chunks/{h}").body == secret
-    assert bob.get("/v1/usage").json()["usedBytes"] == len(secret)
+    assert bob.chunk_bytes() == len(secret)
     assert {i["itemID"] for i in alice.all_items(C)} == {"root", "documents", "s1"}
 
 
@@ -274,7 +274,7 @@ def test_quota_exceeded_is_507_with_edquot(new_account):
     assert api.put(f"/v1/chunks/{sha(a)}", a).status == 201
     body = error(api.put(f"/v1/chunks/{sha(b)}", b), 507, "quota_exceeded")
     assert body["errno"] == "EDQUOT"
-    assert body["usage"] == {"usedBytes": len(a), "quotaBytes": 100 * 1024}
+    assert body["usage"] == {"usedBytes": len(a), "quotaBytes": 100 * 1024, "metadataBytes": 0}
     assert "EDQUOT" in body["error"]
     # Nothing was charged or stored for the refused chunk.
     assert api.get("/v1/usage").json()["usedBytes"] == len(a)

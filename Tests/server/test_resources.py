@@ -1,10 +1,11 @@
 """Resource limits on both engines: unreferenced chunks are garbage-collected (`ubiqfs server gc`,
 and every --gc-interval inside `serve`) without touching a chunk any item still refers to;
-containers per account, items per container, long-polls per token and the bytes of a change
-page are bounded, each with a clear error."""
+item records count against the quota; containers per account, items per container, long-polls
+per token and the bytes of a change page are bounded, each with a clear error."""
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -52,8 +53,7 @@ def test_gc_deletes_unreferenced_chunks_and_keeps_every_referenced_one(storage, 
     assert api.put(f"/v1/chunks/{sha(orphan)}", orphan).status == 201  # uploaded, never committed
     d1 = put_file(api, "d1", "deleted.bin", deleted).json()
     assert api.delete(f"{CQ}/items/d1?device=dev-test", headers={"If-Match": f'"{d1["etag"]}"'}).status == 200
-    usage = api.get("/v1/usage").json()["usedBytes"]
-    assert usage == sum(map(len, (kept, first, second, orphan, deleted)))
+    assert api.chunk_bytes() == sum(map(len, (kept, first, second, orphan, deleted)))
 
     # With the default grace (24 h) nothing just used goes.
     assert gc(storage, "24h")[api.account] == {"account": api.account, "chunks": 0, "bytes": 0, "undeleted": 0}
@@ -62,7 +62,7 @@ def test_gc_deletes_unreferenced_chunks_and_keeps_every_referenced_one(storage, 
 
     assert freed == {"account": api.account, "chunks": 3, "bytes": len(first) + len(orphan) + len(deleted),
                      "undeleted": 0}
-    assert api.get("/v1/usage").json()["usedBytes"] == len(kept) + len(second)
+    assert api.chunk_bytes() == len(kept) + len(second)
     for gone in (first, orphan, deleted):
         error(api.get(f"/v1/chunks/{sha(gone)}"), 404, "not_found")
         assert not blob_exists(storage, api.account, sha(gone))
@@ -74,7 +74,7 @@ def test_gc_deletes_unreferenced_chunks_and_keeps_every_referenced_one(storage, 
     error(api.put(f"{CQ}/items/o1", item("o1", "again.bin", orphan)), 422, "missing_chunks")
     assert put_file(api, "o1", "again.bin", orphan).status == 201
     assert api.chunk(sha(orphan)) == orphan
-    assert api.get("/v1/usage").json()["usedBytes"] == len(kept) + len(second) + len(orphan)
+    assert api.chunk_bytes() == len(kept) + len(second) + len(orphan)
 
 
 def test_serve_collects_garbage_on_its_interval(storage, new_account, tmp_path):
@@ -88,11 +88,33 @@ def test_serve_collects_garbage_on_its_interval(storage, new_account, tmp_path):
         while api.get(f"/v1/chunks/{sha(orphan)}").status == 200 and time.time() < deadline:
             time.sleep(0.3)
         error(api.get(f"/v1/chunks/{sha(orphan)}"), 404, "not_found")
-        assert api.get("/v1/usage").json()["usedBytes"] == 0
+        assert api.get("/v1/usage").json()["usedBytes"] == 0  # no item: no metadata either
         assert not blob_exists(storage, api.account, sha(orphan))
     finally:
         srv.stop()
     assert "garbage collection" in (tmp_path / "serve-gc.log").read_text()
+
+
+def test_item_records_count_against_the_quota_and_deleting_frees_them(new_account):
+    api = new_account(quota="40K")
+    api.ensure_container(C)
+    assert api.get("/v1/usage").json() == {"usedBytes": 0, "quotaBytes": 40 * 1024, "metadataBytes": 0}
+    note = {"note": base64.b64encode(os.urandom(15_000)).decode()}  # 15 KB of extended attributes
+    r = api.put(f"{CQ}/items/m1", folder("m1") | {"xattrs": note})
+    assert r.status == 201, r
+    first = r.json()
+    usage = api.get("/v1/usage").json()
+    # 512 bytes per item plus the record as stored (the attribute is base64 in the record).
+    assert 512 + 20_000 <= usage["metadataBytes"] <= 512 + 21_000, usage
+    assert usage["usedBytes"] == usage["metadataBytes"]
+    # A second one does not fit: refused like a chunk past the quota, nothing stored.
+    body = error(api.put(f"{CQ}/items/m2", folder("m2") | {"xattrs": note}), 507, "quota_exceeded")
+    assert body["errno"] == "EDQUOT" and body["usage"] == usage, body
+    assert api.get(f"{CQ}/items/m2").status == 404
+    # Deleting frees the record's cost (a tombstone is free); then it fits.
+    assert api.delete(f"{CQ}/items/m1?device=dev-test", headers={"If-Match": f'"{first["etag"]}"'}).status == 200
+    assert api.get("/v1/usage").json()["metadataBytes"] == 0
+    assert api.put(f"{CQ}/items/m2", folder("m2") | {"xattrs": note}).status == 201
 
 
 def folder(item_id: str) -> dict:

@@ -451,6 +451,11 @@ class Api:
     def q(s: str) -> str:
         return urllib.parse.quote(s, safe="")
 
+    def chunk_bytes(self) -> int:
+        """The account's usage without what its item records cost (usedBytes - metadataBytes)."""
+        usage = self.get("/v1/usage").json()
+        return usage["usedBytes"] - usage["metadataBytes"]
+
     def ensure_container(self, container: str):
         r = self.put(f"/v1/containers/{self.q(container)}")
         assert r.status == 200, r
