@@ -239,22 +239,10 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   /// in JSON (at least one record, however large): `hasMore` and `token` then say where the
   /// next page starts.
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    var batch = try await metadata.changes(
-      account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)))
-    var bytes = 0
-    for (i, item) in batch.items.enumerated() {
-      bytes += try Self.encoder.encode(item).count
-      if bytes > limits.maxChangePageBytes && i > 0 {
-        batch.items.removeSubrange(i...)
-        batch.token = batch.items[i - 1].changeSeq
-        batch.hasMore = true
-        break
-      }
-    }
-    return batch
+    try await metadata.changes(
+      account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)),
+      maxBytes: limits.maxChangePageBytes)
   }
-
-  static let encoder = JSONEncoder()
 
   /// The newest change sequence number of a container (0 if it has none).
   public func lastChange(_ container: ContainerID) async throws -> Int64 {

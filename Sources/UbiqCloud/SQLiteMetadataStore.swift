@@ -310,18 +310,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     return record
   }
 
-  public func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch {
+  public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
+    -> ChangeBatch
+  {
     try await pool.read { db in
       let rows = try Row.fetchAll(
         db,
         sql: """
           SELECT changeSeq, record FROM items WHERE account = ? AND container = ? AND changeSeq > ?
           ORDER BY changeSeq LIMIT ?
-          """, arguments: [account, container, since, limit + 1])
-      let page = rows.prefix(limit)
-      let items = try page.map { try Self.decoder.decode(CloudItem.self, from: $0["record"] as Data) }
-      let last: Int64 = page.last?["changeSeq"] ?? since
-      return ChangeBatch(items: items, token: last, hasMore: rows.count > limit)
+          """, arguments: [account, container, since, limit + 1]
+      ).map { (seq: $0["changeSeq"] as Int64, record: $0["record"] as Data) }
+      return try ChangeBatch.page(of: rows, since: since, limit: limit, maxBytes: maxBytes) {
+        try Self.decoder.decode(CloudItem.self, from: $0)
+      }
     }
   }
 

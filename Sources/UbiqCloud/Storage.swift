@@ -29,7 +29,10 @@ public protocol MetadataStore: Sendable {
   func commit(
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem
-  func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch
+  /// The records changed after `since`, in change order: at most `limit`, and past the first
+  /// no more than `maxBytes` of stored record bytes (`ChangeBatch.page`).
+  func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
+    -> ChangeBatch
   /// The newest change sequence number of a container (0 if none).
   func lastChange(account: String, container: String) async throws -> Int64
   /// Which of `hashes` are live chunks of the account (recorded and not doomed).
@@ -59,6 +62,28 @@ public protocol MetadataStore: Sendable {
   func forgetDoomedChunks(account: String, hashes: [String]) async throws -> Int64
   func usage(account: String) async throws -> Usage
   func setQuota(account: String, bytes: Int64) async throws
+}
+
+extension ChangeBatch {
+  /// A change page from stored rows in change order (`limit + 1` of them read, to know if more
+  /// follow): up to `limit` records, cut before the record that takes the stored bytes past
+  /// `maxBytes` (but never before the first, so a page always moves on). Measured on the
+  /// stored JSON, so no record is encoded to be measured.
+  public static func page(
+    of rows: [(seq: Int64, record: Data)], since: Int64, limit: Int, maxBytes: Int,
+    decode: (Data) throws -> CloudItem
+  ) throws -> ChangeBatch {
+    var items: [CloudItem] = []
+    var token = since
+    var bytes = 0
+    for row in rows.prefix(limit) {
+      bytes += row.record.count
+      if bytes > maxBytes && !items.isEmpty { return ChangeBatch(items: items, token: token, hasMore: true) }
+      items.append(try decode(row.record))
+      token = row.seq
+    }
+    return ChangeBatch(items: items, token: token, hasMore: rows.count > limit)
+  }
 }
 
 /// What item records cost against an account's quota, besides their chunks: every live record

@@ -101,7 +101,8 @@ extension CloudEngine {
     var out: [CloudItem] = []
     var since: Int64 = 0
     while true {
-      let batch = try await metadata.changes(account: account, container: container.rawValue, since: since, limit: 5000)
+      let batch = try await metadata.changes(
+        account: account, container: container.rawValue, since: since, limit: 5000, maxBytes: .max)
       out += batch.items
       since = batch.token
       if !batch.hasMore { return out }

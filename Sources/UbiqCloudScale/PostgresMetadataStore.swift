@@ -504,20 +504,22 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     return record
   }
 
-  public func changes(account: String, container: String, since: Int64, limit: Int) async throws -> ChangeBatch {
+  public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
+    -> ChangeBatch
+  {
     try await read { conn in
-      var rows: [(Int64, String)] = []
-      for try await row in try await conn.query(
+      var rows: [(seq: Int64, record: Data)] = []
+      for try await (seq, record) in try await conn.query(
         """
         SELECT change_seq, record FROM items WHERE account = \(account) AND container = \(container)
         AND change_seq > \(since) ORDER BY change_seq LIMIT \(Int64(limit + 1))
         """, logger: log
       ).decode((Int64, String).self) {
-        rows.append(row)
+        rows.append((seq, Data(record.utf8)))
       }
-      let page = rows.prefix(limit)
-      let items = try page.map { try Self.decoder.decode(CloudItem.self, from: Data($0.1.utf8)) }
-      return ChangeBatch(items: items, token: page.last?.0 ?? since, hasMore: rows.count > limit)
+      return try ChangeBatch.page(of: rows, since: since, limit: limit, maxBytes: maxBytes) {
+        try Self.decoder.decode(CloudItem.self, from: $0)
+      }
     }
   }
 
