@@ -28,20 +28,27 @@ let package = Package(
     .target(
       name: "UbiqCore",
       dependencies: [.product(name: "Crypto", package: "swift-crypto")]),
+    // The client's contract with a cloud: CloudService and KeyValueService, the wire model
+    // (items, changes, usage, key-value entries, tokens) and the typed errors.
+    .target(
+      name: "UbiqCloudAPI",
+      dependencies: ["UbiqCore", .product(name: "Crypto", package: "swift-crypto")]),
     .target(
       name: "UbiqIndex",
       dependencies: ["UbiqCore", .product(name: "GRDB", package: "GRDB.swift")]),
+    // The cloud's rules (CloudEngine) over its storage protocols, with the embedded storage
+    // (SQLite metadata, blob folder): the default cloud of a mount and one backend of `serve`.
     .target(
       name: "UbiqCloud",
       dependencies: [
-        "UbiqCore", .product(name: "GRDB", package: "GRDB.swift"),
+        "UbiqCore", "UbiqCloudAPI", .product(name: "GRDB", package: "GRDB.swift"),
         .product(name: "Crypto", package: "swift-crypto"),
       ]),
     // Scale-out engines: PostgreSQL metadata, S3 chunks (SigV4).
     .target(
       name: "UbiqCloudScale",
       dependencies: [
-        "UbiqCore", "UbiqCloud",
+        "UbiqCore", "UbiqCloudAPI", "UbiqCloud",
         .product(name: "PostgresNIO", package: "postgres-nio"),
         .product(name: "AsyncHTTPClient", package: "async-http-client"),
         .product(name: "NIOCore", package: "swift-nio"),
@@ -55,7 +62,7 @@ let package = Package(
     .target(
       name: "UbiqHTTPClient",
       dependencies: [
-        "UbiqCore", "UbiqCloud",
+        "UbiqCore", "UbiqCloudAPI",
         .product(name: "AsyncHTTPClient", package: "async-http-client"),
         .product(name: "NIOCore", package: "swift-nio"),
         .product(name: "NIOHTTP1", package: "swift-nio"),
@@ -67,7 +74,7 @@ let package = Package(
     .target(
       name: "UbiqServer",
       dependencies: [
-        "UbiqCore", "UbiqCloud", "UbiqCloudScale",
+        "UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqCloudScale",
         .product(name: "Hummingbird", package: "hummingbird"),
         .product(name: "HummingbirdTLS", package: "hummingbird"),
         .product(name: "NIOSSL", package: "swift-nio-ssl"),
@@ -80,17 +87,17 @@ let package = Package(
     // The key-value store's client: local mirror (kv.sqlite) and its sync.
     .target(
       name: "UbiqKV",
-      dependencies: ["UbiqCore", "UbiqCloud", .product(name: "GRDB", package: "GRDB.swift")]),
+      dependencies: ["UbiqCore", "UbiqCloudAPI", .product(name: "GRDB", package: "GRDB.swift")]),
     .target(
       name: "UbiqSync",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloud", .product(name: "Logging", package: "swift-log"),
+        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", .product(name: "Logging", package: "swift-log"),
       ]),
     // The filesystem's semantics without FUSE: typed requests and results, tested in-process.
     .target(
       name: "UbiqFSCore",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync",
+        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqSync",
         .product(name: "Logging", package: "swift-log"),
       ]),
     // The thin FUSE adapter over UbiqFSCore and the libfuse session.
@@ -105,14 +112,14 @@ let package = Package(
     .target(
       name: "UbiqDaemon",
       dependencies: [
-        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore", "UbiqHTTPClient",
-        "UbiqKV", .product(name: "Logging", package: "swift-log"),
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore",
+        "UbiqHTTPClient", "UbiqKV", .product(name: "Logging", package: "swift-log"),
       ]),
     // The command line: parses arguments, calls the libraries, prints.
     .executableTarget(
       name: "ubiqfs",
       dependencies: [
-        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore",
+        "CFuse3", "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFS", "UbiqFSCore",
         "UbiqCloudScale", "UbiqHTTPClient", "UbiqServer", "UbiqKV", "UbiqDaemon",
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
@@ -121,25 +128,28 @@ let package = Package(
     .testTarget(
       name: "UbiqFSCoreTests",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloud", "UbiqSync", "UbiqFSCore",
+        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFSCore",
         .product(name: "Logging", package: "swift-log"),
         .product(name: "PropertyBased", package: "swift-property-based"),
       ]),
-    .testTarget(name: "UbiqDaemonTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex", "UbiqDaemon"]),
-    .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloud", "UbiqKV"]),
+    .testTarget(
+      name: "UbiqDaemonTests", dependencies: ["UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqIndex", "UbiqDaemon"]),
+    .testTarget(name: "UbiqKVTests", dependencies: ["UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqKV"]),
     .testTarget(
       name: "UbiqCloudTests",
-      dependencies: ["UbiqCore", "UbiqCloud", "UbiqIndex", .product(name: "GRDB", package: "GRDB.swift")]),
+      dependencies: [
+        "UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqIndex", .product(name: "GRDB", package: "GRDB.swift"),
+      ]),
     .testTarget(
       name: "UbiqCloudScaleTests",
       dependencies: [
-        "UbiqCore", "UbiqCloud", "UbiqCloudScale",
+        "UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqCloudScale",
         .product(name: "AsyncHTTPClient", package: "async-http-client"),
       ]),
     .testTarget(
       name: "UbiqServerTests",
       dependencies: [
-        "UbiqCore", "UbiqCloud", "UbiqServer", "UbiqHTTPClient",
+        "UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqServer", "UbiqHTTPClient",
         .product(name: "Hummingbird", package: "hummingbird"),
         .product(name: "Logging", package: "swift-log"),
       ]),

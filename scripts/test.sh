@@ -18,6 +18,8 @@ scripts/test-server-deps.sh
 failed=()
 echo "== swift format lint (the committed .swift-format; a warning fails the run)"
 swift format lint --strict --recursive Sources Tests Package.swift || failed+=("swift format lint")
+echo "== module layers (scripts/check-layers.py)"
+python3 scripts/check-layers.py || failed+=("module layers")
 
 echo "== unit tests"
 swift test 2>&1 | tail -n 30

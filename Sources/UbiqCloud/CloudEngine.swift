@@ -1,4 +1,5 @@
 import Foundation
+import UbiqCloudAPI
 import UbiqCore
 
 /// What one account may hold and ask for, beyond its byte quota: each refused with

@@ -1,4 +1,5 @@
 import Foundation
+import UbiqCloudAPI
 import UbiqCore
 
 #if canImport(Glibc)

@@ -1,5 +1,6 @@
 import Foundation
 import GRDB
+import UbiqCloudAPI
 import UbiqCore
 
 /// The embedded cloud's metadata: accounts and their tokens, containers, item records (JSON)

@@ -1,4 +1,5 @@
 import Foundation
+import UbiqCloudAPI
 import UbiqCore
 
 /// Chunk bytes, addressed by (account, SHA-256). Folder on disk or an S3 bucket.
@@ -162,47 +163,6 @@ public struct TreeSnapshot: Sendable {
 
 /// A check of a commit against the tree, run by the engine inside the commit's transaction.
 public typealias TreeRule = @Sendable (TreeSnapshot) throws -> Void
-
-/// What a token may do. An account token (issued by the admin CLI) manages the account's devices;
-/// a device token (issued by `POST /v1/devices`, i.e. at login) syncs but cannot mint tokens or
-/// revoke any token but itself, so a stolen device cannot lock its owner out.
-public enum TokenScope: String, Codable, Sendable, CaseIterable {
-  case account
-  case device
-}
-
-/// One bearer token of an account: the device it was issued to, its scope, when it expires and
-/// whether it was revoked. Only the token's SHA-256 is ever stored.
-public struct TokenRecord: Codable, Sendable, Equatable {
-  public var id: String
-  public var account: String
-  public var device: String
-  /// Seconds since the Unix epoch.
-  public var createdAt: Int64
-  public var revoked: Bool
-  public var scope: TokenScope
-  /// Seconds since the Unix epoch; nil: never expires.
-  public var expiresAt: Int64?
-
-  public init(
-    id: String, account: String, device: String, createdAt: Int64, revoked: Bool = false, scope: TokenScope,
-    expiresAt: Int64? = nil
-  ) {
-    self.id = id
-    self.account = account
-    self.device = device
-    self.createdAt = createdAt
-    self.revoked = revoked
-    self.scope = scope
-    self.expiresAt = expiresAt
-  }
-
-  /// True once the token's lifetime has passed (`now` in seconds since the epoch).
-  public func isExpired(now: Int64) -> Bool {
-    guard let expiresAt else { return false }
-    return now >= expiresAt
-  }
-}
 
 /// Accounts and their devices' bearer tokens (stored as SHA-256 hashes, revocable).
 /// Implemented by both metadata engines, next to `MetadataStore`.

@@ -1,4 +1,5 @@
 import Foundation
+import UbiqCloudAPI
 import UbiqCore
 
 /// One break of the tree invariants found in stored data.

@@ -3,6 +3,7 @@ import Logging
 import NIOSSL
 import PostgresNIO
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// The scale-out metadata engine: the same tables and rules as `SQLiteMetadataStore` in

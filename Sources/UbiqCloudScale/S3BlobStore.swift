@@ -3,6 +3,7 @@ import Foundation
 import NIOCore
 import NIOHTTP1
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// Where an S3-compatible object store is and how to sign for it.

@@ -2,6 +2,7 @@ import CFuse3
 import Foundation
 import Logging
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqFS
 import UbiqFSCore

@@ -1,6 +1,6 @@
 import Foundation
 import Logging
-import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqIndex
 import UbiqSync

@@ -5,7 +5,7 @@ import NIOCore
 import NIOFoundationCompat
 import NIOHTTP1
 import NIOSSL
-import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// Where a `ubiqfs serve` is and which bearer token to send. Owns request building, the

@@ -1,6 +1,6 @@
 import Foundation
 import NIOCore
-import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// Account and device calls a signed-in client makes: who am I, register this device (which

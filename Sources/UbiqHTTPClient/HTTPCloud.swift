@@ -2,7 +2,7 @@ import AsyncHTTPClient
 import Foundation
 import NIOCore
 import NIOHTTP1
-import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// `CloudService` over the HTTP API of `ubiqfs serve` (docs/protocol.md), for one signed-in

@@ -1,6 +1,6 @@
 import Foundation
 import GRDB
-import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// Why the key-value store changed (the reasons of NSUbiquitousKeyValueStore's

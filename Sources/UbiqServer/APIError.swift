@@ -2,6 +2,7 @@ import Foundation
 import Hummingbird
 import NIOCore
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// An HTTP error with a machine-readable code; every error response is

@@ -2,6 +2,7 @@ import AsyncHTTPClient
 import Foundation
 import Logging
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCloudScale
 import UbiqCore
 

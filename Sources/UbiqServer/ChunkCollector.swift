@@ -2,6 +2,7 @@ import Foundation
 import Logging
 import ServiceLifecycle
 import UbiqCloud
+import UbiqCloudAPI
 
 /// How `ubiqfs serve` collects garbage: how often, and how long an unreferenced chunk is kept.
 public struct CollectionSchedule: Sendable {

@@ -2,6 +2,7 @@ import Foundation
 import Hummingbird
 import Logging
 import UbiqCloud
+import UbiqCloudAPI
 
 /// The per-request context: Hummingbird's core storage plus the authenticated token (set by
 /// `AuthMiddleware` on every `/v1` route).

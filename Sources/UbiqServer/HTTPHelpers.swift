@@ -3,6 +3,7 @@ import Hummingbird
 import NIOCore
 import NIOFoundationCompat
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// Request/response plumbing shared by the routes: bounded body reading, strict JSON and

@@ -1,5 +1,6 @@
 import Foundation
 import UbiqCloud
+import UbiqCloudAPI
 
 /// Bounds on what one request may send or ask for.
 public struct ServerLimits: Sendable {

@@ -3,6 +3,7 @@ import Hummingbird
 import NIOCore
 import NIOFoundationCompat
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// The `/v1` HTTP API (docs/protocol.md): every handler authenticates through

@@ -7,6 +7,7 @@ import NIOCore
 import NIOSSL
 import ServiceLifecycle
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 
 /// What `ubiqfs serve` runs with.

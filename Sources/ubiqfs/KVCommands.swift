@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqDaemon
 import UbiqHTTPClient

@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import Logging
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCloudScale
 import UbiqCore
 import UbiqDaemon

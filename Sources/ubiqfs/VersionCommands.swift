@@ -2,6 +2,7 @@ import ArgumentParser
 import CFuse3
 import Foundation
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqDaemon
 import UbiqIndex

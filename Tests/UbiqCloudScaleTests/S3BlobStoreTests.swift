@@ -3,6 +3,7 @@ import Foundation
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCloudScale
 
 /// How requests to S3 are addressed and signed (endpoint base path, port, session token), and

@@ -3,6 +3,7 @@ import GRDB
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 
 /// Accounts, tokens and the key-value store on the embedded engine (the PostgreSQL engine is

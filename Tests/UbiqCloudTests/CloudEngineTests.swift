@@ -2,6 +2,7 @@ import Foundation
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 
 final class CloudEngineTests: XCTestCase {

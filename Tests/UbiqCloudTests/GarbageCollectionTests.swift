@@ -3,6 +3,7 @@ import GRDB
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 
 /// Chunk garbage collection on the embedded engine: what a pass deletes, what it must keep,

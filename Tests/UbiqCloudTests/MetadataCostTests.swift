@@ -3,6 +3,7 @@ import GRDB
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 
 /// Item records count against the account's quota (`MetadataCost`) on the embedded engine:

@@ -2,6 +2,7 @@ import Foundation
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 
 /// The tree invariants and number checks of `CloudEngine` on the embedded SQLite engine, and

@@ -1,6 +1,7 @@
 import Foundation
 import Testing
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqDaemon
 

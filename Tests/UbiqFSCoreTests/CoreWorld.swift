@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import UbiqIndex
 

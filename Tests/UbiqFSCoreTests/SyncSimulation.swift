@@ -5,6 +5,7 @@ import UbiqCore
 import UbiqIndex
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqFSCore
 @testable import UbiqSync
 

@@ -1,5 +1,6 @@
 import Foundation
 import UbiqCloud
+import UbiqCloudAPI
 import UbiqCore
 import XCTest
 

@@ -3,6 +3,7 @@ import Logging
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 @testable import UbiqServer
 

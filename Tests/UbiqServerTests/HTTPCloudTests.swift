@@ -4,6 +4,7 @@ import Logging
 import XCTest
 
 @testable import UbiqCloud
+@testable import UbiqCloudAPI
 @testable import UbiqCore
 @testable import UbiqHTTPClient
 @testable import UbiqServer
