@@ -126,6 +126,9 @@ let package = Package(
       ]),
     .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
     .testTarget(
+      name: "UbiqIndexTests",
+      dependencies: ["UbiqCore", "UbiqIndex", .product(name: "PropertyBased", package: "swift-property-based")]),
+    .testTarget(
       name: "UbiqFSCoreTests",
       dependencies: [
         "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFSCore",

@@ -59,38 +59,37 @@ extension IndexStore {
     _ db: Database, _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy
   ) throws -> RemoteApplyResult {
     // Deleted here, delete not yet done in the cloud: do not bring it back.
-    if try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true {
-      return RemoteApplyResult(outcome: .locallyModified)
-    }
+    let deleteQueued =
+      try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true
     let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
-    if let local, local.etag == r.etag { return RemoteApplyResult(outcome: .unchanged, inode: local.id) }
-    // Older than what this device already has (a held record passed by its own upload).
-    if let local, let seq = local.etag.flatMap({ Int64($0) }), r.changeSeq < seq {
-      return RemoteApplyResult(outcome: .unchanged, inode: local.id)
+    let view = try local.map { row in
+      RemotePlanner.LocalView(
+        etag: row.etag, isDirectory: row.isDirectory,
+        // Changes queued, or written through a handle and not recorded yet.
+        changedHere: try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [row.id!])
+          == true
+          || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [row.id!]) == true,
+        hasChildren: try r.deleted
+          && Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [row.id!]) == true)
     }
-    if let local,
-      try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [local.id!]) == true
-        || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [local.id!]) == true
-    {
-      // Changes queued, or written through a handle and not recorded yet.
-      return RemoteApplyResult(outcome: .locallyModified, inode: local.id)
-    }
-    if r.deleted {
-      guard let local else { return RemoteApplyResult(outcome: .unchanged) }
-      if try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [local.id!])! > 0 {
-        // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
-        try db.execute(
-          sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [r.etag, local.id!])
-        try self.enqueue(db, local.id!)
-        return RemoteApplyResult(outcome: .unchanged, inode: local.id)
-      }
-      try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [local.id!])
+    let decision = RemotePlanner.decide(r, local: view, deleteQueued: deleteQueued)
+    switch (decision, local?.id) {
+    case (.holdBack, _):
+      return RemoteApplyResult(outcome: .locallyModified, inode: local?.id)
+    case (.keepFolderAndUploadIt, let id?):
+      // Local children not deleted remotely: keep the directory (nothing is lost) and put it back.
+      try db.execute(sql: "UPDATE items SET etag = ?, revision = revision + 1 WHERE id = ?", arguments: [r.etag, id])
+      try self.enqueue(db, id)
+      return RemoteApplyResult(outcome: .unchanged, inode: id)
+    case (.delete, let id?):
+      try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [id])
       return RemoteApplyResult(
-        outcome: .deleted, inode: local.id, staleEntries: local.parent.map { [($0, local.name)] } ?? [])
+        outcome: .deleted, inode: id, staleEntries: local.flatMap { row in row.parent.map { [($0, row.name)] } } ?? [])
+    case (.apply, _):
+      return try self.applyRecord(db, r, to: local, uid: uid, gid: gid, collisions: collisions)
+    case (.alreadyApplied, _), (.keepFolderAndUploadIt, nil), (.delete, nil):
+      return RemoteApplyResult(outcome: .unchanged, inode: local?.id)
     }
-    return try self.applyRecord(
-      db, r, to: local, uid: uid, gid: gid, collisions: collisions)
   }
 
   /// Makes the local row of `r.itemID` (or a new row) match the cloud record `r`: parent, name
@@ -125,25 +124,26 @@ extension IndexStore {
     {
       let otherQueued =
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) == true
-      let otherUnchanged = other.etag != nil && other.revision == other.syncedRevision && !otherQueued
-      let otherSeq = other.etag.flatMap { Int64($0) } ?? Int64.max
-      if case .deferUnchangedHolders = collisions, otherUnchanged {
+      let holder = RemotePlanner.NameHolder(
+        itemID: other.itemID, unchanged: other.etag != nil && other.revision == other.syncedRevision && !otherQueued,
+        changeSeq: other.etag.flatMap { Int64($0) })
+      switch RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan) {
+      case .deferRecord:
         return RemoteApplyResult(outcome: .deferred)
-      }
-      if case .moveAsideHolders(let moving) = collisions, otherUnchanged, moving.contains(other.itemID) {
+      case .parkHolder:
         // The holder's own record is in this pull and takes it elsewhere (two items swapped
         // names): it waits under a temporary local name until its record is applied.
         let parked = "\u{1}moving \(other.itemID)"
         try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [parked, otherID])
         stale += [(parent, other.name)]
-      } else if otherSeq > r.changeSeq && !ownOrphan {
+      case .holderYields:
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
           sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
           arguments: [moved, Clock.nowNs(), otherID])
         try self.enqueue(db, otherID)
         stale += [(parent, other.name), (parent, moved)]
-      } else {
+      case .recordYields:
         name = try Self.freeName(db, parent, r.name, except: local?.id)
         renamedHere = true
       }

@@ -1,0 +1,100 @@
+import UbiqCore
+
+/// The decisions of applying one remote record, as pure functions of the three views of an item
+/// on this device (see docs/architecture.md, "Three trees and the rules for concurrent
+/// changes"): the record (Remote), the local row with its revisions (Local against Synced) and
+/// what is still queued. No I/O: `IndexStore.applyRemote` reads the views inside its transaction,
+/// asks the planner, and carries the answer out. Tests run the rules on generated views
+/// (Tests/UbiqIndexTests/RemotePlannerTests).
+public enum RemotePlanner {
+  /// This device's view of the item a remote record is for.
+  public struct LocalView: Sendable, Equatable {
+    /// The etag of the cloud version the row derives from (nil: never in the cloud).
+    public var etag: String?
+    public var isDirectory: Bool
+    /// A queue entry or unrecorded writes through a handle: the item changed here.
+    public var changedHere: Bool
+    /// Live children of a folder (the record may be its tombstone).
+    public var hasChildren: Bool
+
+    public init(etag: String?, isDirectory: Bool, changedHere: Bool, hasChildren: Bool) {
+      self.etag = etag
+      self.isDirectory = isDirectory
+      self.changedHere = changedHere
+      self.hasChildren = hasChildren
+    }
+  }
+
+  /// What to do with one remote record.
+  public enum Decision: Sendable, Equatable {
+    /// This device has the version already, or a newer one (a held record passed by its own
+    /// upload), or the record is the tombstone of an item it never had.
+    case alreadyApplied
+    /// The item changed here (or its delete is queued): keep the record for when the local
+    /// change is done; never overwrite local work.
+    case holdBack
+    /// A folder deleted there still holds items here: keep it, and upload it again (the
+    /// children must not be lost).
+    case keepFolderAndUploadIt
+    /// Delete the local item.
+    case delete
+    /// Make the local row match the record (`IndexStore.applyRecord`).
+    case apply
+  }
+
+  /// The rule for one record. `deleteQueued`: this device deleted the item and the delete is
+  /// not in the cloud yet.
+  public static func decide(_ record: CloudItem, local: LocalView?, deleteQueued: Bool) -> Decision {
+    if deleteQueued { return .holdBack }
+    if let local {
+      if local.etag == record.etag { return .alreadyApplied }
+      if let seq = local.etag.flatMap({ Int64($0) }), record.changeSeq < seq { return .alreadyApplied }
+      if local.changedHere { return .holdBack }
+    }
+    guard record.deleted else { return .apply }
+    guard let local else { return .alreadyApplied }
+    return local.hasChildren ? .keepFolderAndUploadIt : .delete
+  }
+
+  /// The item that holds, on this device, the name a remote record wants.
+  public struct NameHolder: Sendable, Equatable {
+    public var itemID: String
+    /// In the cloud as it is here: an etag, no local revision, nothing queued.
+    public var unchanged: Bool
+    /// The change sequence of the holder's cloud version (nil: never in the cloud).
+    public var changeSeq: Int64?
+
+    public init(itemID: String, unchanged: Bool, changeSeq: Int64?) {
+      self.itemID = itemID
+      self.unchanged = unchanged
+      self.changeSeq = changeSeq
+    }
+  }
+
+  /// How a name collision is settled.
+  public enum NameOutcome: Sendable, Equatable {
+    /// Apply the record later (the holder's own record may come in the same pull).
+    case deferRecord
+    /// The holder moves to a temporary local name until its own record, in this pull, is applied.
+    case parkHolder
+    /// The holder becomes "name 2" (and uploads that), the record takes the name.
+    case holderYields
+    /// The record's item becomes "name 2" here (and uploads that).
+    case recordYields
+  }
+
+  /// The rule when a record's name is held by another item: the item that reached the cloud
+  /// later (or has not yet) yields, so every device, whatever order it sees the records in,
+  /// gives the name to the same item. `ownOrphan`: the record is this device's own commit for
+  /// an item it no longer has; it never takes a name from a local item.
+  public static func settleName(
+    record: CloudItem, holder: NameHolder, policy: IndexStore.NameCollisionPolicy, ownOrphan: Bool
+  ) -> NameOutcome {
+    if case .deferUnchangedHolders = policy, holder.unchanged { return .deferRecord }
+    if case .moveAsideHolders(let moving) = policy, holder.unchanged, moving.contains(holder.itemID) {
+      return .parkHolder
+    }
+    let holderSeq = holder.changeSeq ?? Int64.max
+    return holderSeq > record.changeSeq && !ownOrphan ? .holderYields : .recordYields
+  }
+}
