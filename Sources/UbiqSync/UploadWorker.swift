@@ -169,7 +169,15 @@ public final class UploadWorker: @unchecked Sendable {
   func process(_ entry: QueueEntry, prepared: Task<PreparedUpload?, Error>?) async {
     do {
       if let inode = entry.item {
-        let p = try await (prepared ?? Task { try await self.prepare(inode) }).value
+        var p = try await (prepared ?? Task { try await self.prepare(inode) }).value
+        // Prepared ahead of its turn: if the item changed since (renamed over another, written,
+        // deleted), that snapshot is no longer the state to commit. One fresh snapshot is; its
+        // content's chunks are mostly in the cloud already.
+        if prepared != nil, let snap = p?.snapshot,
+          try index.item(inode).map({ $0.itemID != snap.row.itemID || $0.revision != snap.row.revision }) ?? true
+        {
+          p = try await prepare(inode)
+        }
         if let p {
           try await commit(entry, inode, p)
         } else {

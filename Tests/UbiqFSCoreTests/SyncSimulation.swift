@@ -96,8 +96,13 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     return result
   }
 
+  /// The names of every item version sent, in order.
+  var committedNames: [String] { lock.withLock { namesSent } }
+  private var namesSent: [String] = []
+
   func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
-    try await write { try await inner.putItem(container, item, ifMatch: ifMatch) }
+    lock.withLock { namesSent.append(item.name) }
+    return try await write { try await inner.putItem(container, item, ifMatch: ifMatch) }
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
@@ -763,6 +768,9 @@ final class SyncSimulation {
       let container = a.container
       let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
       #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
+      // A snapshot prepared before the rename is not committed: the cloud never sees the
+      // temporary name.
+      #expect(!hooked.committedNames.contains("f.tmp"), "commits: \(hooked.committedNames)")
     }
   }
 
