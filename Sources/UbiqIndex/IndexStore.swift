@@ -101,6 +101,11 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v8-commit-sent") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN commitSent INTEGER NOT NULL DEFAULT 0")
     }
+    // A folder's subfolders, for its link count on every getattr: read from this index alone,
+    // not from every entry of the folder.
+    m.registerMigration("v9-children-by-kind") { db in
+      try db.execute(sql: "CREATE INDEX items_by_parent_kind ON items(parent, kind)")
+    }
     return m
   }
 
@@ -166,12 +171,6 @@ public final class IndexStore: @unchecked Sendable {
       try ItemRow.fetchAll(
         db, sql: "SELECT * FROM items WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
         arguments: [parent, after, limit])
-    }
-  }
-
-  public func childCount(of parent: Int64) throws -> Int {
-    try readOne { db in
-      try Int.fetchOne(db.cached("SELECT count(*) FROM items WHERE parent = ?"), arguments: [parent]) ?? 0
     }
   }
 

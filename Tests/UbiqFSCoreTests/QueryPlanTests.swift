@@ -67,6 +67,36 @@ import UbiqCore
     #expect(found.isEmpty, "full scans on a hot path:\n\(found.joined(separator: "\n"))")
   }
 
+  /// A folder's link count (2 + its subfolders) is computed on every getattr of the folder,
+  /// which the kernel asks for after each create in it: counting must read the folder's
+  /// subfolders only, from an index, never every entry of a folder of 100,000 files.
+  @Test func aFoldersLinkCountReadsItsSubfoldersOnly() async throws {
+    let statements = Mutex<Set<String>>([])
+    let plans = Mutex<[String]>([])
+    try await onOwnThread {
+      let world = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
+      _ = try world.core.getattr(world.documents)
+      let counts = statements.withLock { $0 }.filter { $0.uppercased().contains("COUNT(*) FROM ITEMS WHERE PARENT") }
+      var found: [String] = []
+      for sql in counts {
+        let placeholders = sql.filter { $0 == "?" }.count
+        let plan: [String] = try world.index.pool.read { db in
+          try Row.fetchAll(
+            db, sql: "EXPLAIN QUERY PLAN " + sql,
+            arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))
+          ).map { $0["detail"] as String }
+        }
+        found.append("\(sql) -> \(plan.joined(separator: "; "))")
+      }
+      plans.withLock { $0 = found }
+    }
+    let found = plans.withLock { $0 }
+    #expect(!found.isEmpty, "getattr of a folder counts its subfolders")
+    for plan in found {
+      #expect(plan.contains("USING COVERING INDEX") && plan.contains("kind=?"), "\(plan)")
+    }
+  }
+
   /// The statements (with their plan step) whose plan scans a whole table it should search.
   static func fullScans(_ statements: Set<String>) throws -> [String] {
     let world = try CoreWorld()
