@@ -106,6 +106,11 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v9-children-by-kind") { db in
       try db.execute(sql: "CREATE INDEX items_by_parent_kind ON items(parent, kind)")
     }
+    // A delete of a file that had unresolved conflict versions: the uploader keeps the
+    // versions other devices wrote instead of deleting them with the file.
+    m.registerMigration("v10-delete-keeps-versions") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteKeepsVersions INTEGER NOT NULL DEFAULT 0")
+    }
     return m
   }
 
@@ -343,7 +348,8 @@ public final class IndexStore: @unchecked Sendable {
     let attempted = try Self.uploadAttempted(db, row)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
-      try enqueueDelete(db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted)
+      try enqueueDelete(
+        db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty)
     }
   }
 
@@ -381,16 +387,21 @@ public final class IndexStore: @unchecked Sendable {
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
   /// completes later fills it in (`markUploaded`); still nil when processed, the uploader asks
   /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
-  func enqueueDelete(_ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false) throws {
+  /// `keepsVersions`: the file had unresolved conflict versions (see `UploadWorker`).
+  func enqueueDelete(
+    _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false
+  ) throws {
     let now = Clock.nowNs()
     try db.cached(
       """
-      INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud)
-      VALUES (?, ?, ?, ?, ?)
+      INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud,
+        deleteKeepsVersions)
+      VALUES (?, ?, ?, ?, ?, ?)
       ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag),
-        deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud)
+        deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud),
+        deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions)
       """
-    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud])
+    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions])
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only.

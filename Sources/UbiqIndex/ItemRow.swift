@@ -110,6 +110,8 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var deleteEtag: String?
   /// A delete without an etag whose item's upload was attempted: the cloud may have it.
   public var deleteMaybeInCloud: Bool
+  /// A delete of a file that had unresolved conflict versions.
+  public var deleteKeepsVersions: Bool
   public var enqueuedNs: Int64
   public var attempts: Int
   public var nextAttemptNs: Int64

@@ -6,6 +6,28 @@ import UbiqCore
 /// changed the content, the documented rule picks the winner (newest mtime, then device id) and
 /// the loser is kept as an unresolved conflict version, so nothing is lost.
 public enum ConflictMerge {
+  /// The record that replaces a delete of `current` by device `deviceID` when `current` has
+  /// conflict versions written by other devices: nobody here resolved them, so deleting the
+  /// file would delete their edits. The newest of them (by `CloudItem.wins`) becomes the
+  /// current content and the other devices' remaining versions stay conflict versions; the
+  /// deleted content and this device's own versions go. Nil when there is nothing to keep.
+  public static func keepingOthersVersions(of current: CloudItem, deletedBy deviceID: String) -> CloudItem? {
+    let others = (current.conflicts ?? []).filter { $0.deviceID != deviceID }
+    guard current.kind == .file, !current.deleted, var newest = others.first else { return nil }
+    for v in others.dropFirst()
+    where CloudItem.wins(mtimeNs: v.mtimeNs, deviceID: v.deviceID, over: (newest.mtimeNs, newest.deviceID)) {
+      newest = v
+    }
+    var out = current
+    out.chunks = newest.chunks
+    out.size = newest.size
+    out.mtimeNs = newest.mtimeNs
+    out.deviceID = deviceID
+    let rest = others.filter { $0.versionID != newest.versionID }
+    out.conflicts = rest.isEmpty ? nil : rest
+    return out
+  }
+
   public static func merge(local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String) -> CloudItem {
     // Edited here, deleted there: the edit wins and brings the item back.
     if server.deleted {

@@ -198,6 +198,21 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = current
           }
         }
+        // A file with other devices' unresolved conflict versions: their edits are kept (the
+        // newest becomes the content and the file comes back), as an edit elsewhere wins over
+        // a delete here. Only the version this device deleted goes.
+        if entry.deleteKeepsVersions, let etag, restoring == nil,
+          let current = try await cloud.item(container, itemID: itemID), current.etag == etag,
+          let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID)
+        {
+          do {
+            restoring = try await cloud.putItem(container, kept, ifMatch: etag)
+            log.info("delete of \(itemID) kept the conflict versions of other devices; the newest is current")
+          } catch CloudError.conflict(let newer) {
+            log.info("delete of \(itemID) skipped: changed remotely (etag \(newer.etag)); restoring it")
+            restoring = newer
+          }
+        }
         // Still no etag (and no upload attempted): the item never reached the cloud.
         if etag != nil && restoring == nil {
           do {

@@ -622,6 +622,12 @@ final class SyncSimulation {
     [(0, 0, 0, 0, 0), (0, 7, 0, 0, 373), (0, 1, 0, 0, 0), (0, 8, 0, 0, 0)],
     // O_TRUNC while another handle has written more than the index knows: the open truncates.
     [(0, 0, 3, 0, 0), (0, 10, 3, 0, 0), (0, 12, 0, 0, 0), (0, 0, 3, 0, 0)],
+    // Concurrent edits merged on device 1, which then deletes the file: the other device's
+    // edit must survive (found by the sim soak, seed BubpJgiSXjMLpzJuYVG7gVJfWe5KDAG91Fqfj2HBkPM=).
+    [
+      (0, 0, 3, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (0, 0, 3, 0, 0), (1, 0, 3, 0, 0), (0, 6, 0, 0, 0),
+      (1, 6, 0, 0, 0), (1, 2, 3, 0, 0),
+    ],
     // Writes through a handle kept open while the other device's version arrives.
     [
       (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 10, 0, 0, 0), (0, 0, 0, 0, 0), (0, 6, 0, 0, 0),

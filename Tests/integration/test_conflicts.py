@@ -73,6 +73,27 @@ def test_concurrent_edits_keep_a_conflict_version(pair):
     assert cp.returncode != 0 and cp.stderr.startswith("ubiqfs:")
 
 
+def test_deleting_a_file_keeps_the_other_devices_conflicting_edit(pair):
+    """B's edit wins a concurrent edit (newer mtime), A's becomes a conflict version; B's user,
+    who never saw A's edit, deletes the file: A's edit survives on both devices, as an edit
+    survives a delete."""
+    a, b = pair
+    (a.docs / "memo.txt").write_text("base\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "memo.txt").read_text() == "base\n", what="base on b")
+    (a.docs / "memo.txt").write_text("edit from A\n")
+    time.sleep(0.05)
+    (b.docs / "memo.txt").write_text("edit from B (newer)\n")
+    settle(a, b)
+    wait_for(lambda: Ubiq.xattr(b.docs / "memo.txt", "user.ubiq.conflicts") == "1", what="conflict on b")
+    (b.docs / "memo.txt").unlink()
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: (u.docs / "memo.txt").exists() and read(u.docs / "memo.txt") == b"edit from A\n",
+                 what=f"A's edit current on {u.root.name}")
+        wait_for(lambda: Ubiq.xattr(u.docs / "memo.txt", "user.ubiq.conflicts") == "0", what="no version left")
+
+
 def test_edit_beats_delete(pair):
     a, b = pair
     (a.docs / "keep.txt").write_text("v1\n")
