@@ -77,17 +77,7 @@ import UbiqCore
       let world = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
       _ = try world.core.getattr(world.documents)
       let counts = statements.withLock { $0 }.filter { $0.uppercased().contains("COUNT(*) FROM ITEMS WHERE PARENT") }
-      var found: [String] = []
-      for sql in counts {
-        let placeholders = sql.filter { $0 == "?" }.count
-        let plan: [String] = try world.index.pool.read { db in
-          try Row.fetchAll(
-            db, sql: "EXPLAIN QUERY PLAN " + sql,
-            arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))
-          ).map { $0["detail"] as String }
-        }
-        found.append("\(sql) -> \(plan.joined(separator: "; "))")
-      }
+      let found = try counts.map { "\($0) -> \(try Self.plan(of: $0, in: world).joined(separator: "; "))" }
       plans.withLock { $0 = found }
     }
     let found = plans.withLock { $0 }
@@ -107,18 +97,22 @@ import UbiqCore
         !upper.contains("SQLITE_"), !upper.contains("PRAGMA")
       else { continue }
       if fullScansAllowed.keys.contains(where: { upper.contains($0) }) { continue }
-      let placeholders = sql.filter { $0 == "?" }.count
-      let plan: [String] = try world.index.pool.read { db in
-        try Row.fetchAll(
-          db, sql: "EXPLAIN QUERY PLAN " + sql,
-          arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))
-        ).map { $0["detail"] as String }
-      }
-      for step in plan
+      for step in try plan(of: sql, in: world)
       where step.hasPrefix("SCAN items") || step.hasPrefix("SCAN uploadQueue") || step.hasPrefix("SCAN xattrs") {
         scans.append("\(sql)\n    -> \(step)")
       }
     }
     return scans
+  }
+
+  /// The steps of `EXPLAIN QUERY PLAN` for `sql`, with NULL for each parameter.
+  static func plan(of sql: String, in world: CoreWorld) throws -> [String] {
+    let placeholders = sql.filter { $0 == "?" }.count
+    return try world.index.pool.read { db in
+      try Row.fetchAll(
+        db, sql: "EXPLAIN QUERY PLAN " + sql,
+        arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))
+      ).map { $0["detail"] as String }
+    }
   }
 }
