@@ -58,15 +58,21 @@ extension IndexStore {
           // Replaced while uploading by a file renamed over it, which took over its identity (an
           // atomic save): the version just created is the cloud's current one, and the heir's
           // own change goes on top of it.
+          // The version's conflict versions (a merge's) stay with the heir.
           if (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
             try db.execute(
-              sql: "UPDATE items SET etag = ?, base = ?, chunks = ? WHERE id = ?",
-              arguments: [result.etag, ItemRow.json(result), heir.content == .cached ? manifest : heir.chunks, heir.id])
+              sql: "UPDATE items SET etag = ?, base = ?, chunks = ?, conflicts = ? WHERE id = ?",
+              arguments: [
+                result.etag, ItemRow.json(result), heir.content == .cached ? manifest : heir.chunks,
+                ItemRow.combinedConflicts(heir.conflictList, result.conflicts ?? []), heir.id,
+              ])
           }
           return
         }
-        // Deleted while uploading: the version just created must go too.
-        try self.enqueueDelete(db, itemID: itemID, etag: result.etag)
+        // Deleted while uploading: the version just created must go too, keeping the versions
+        // of other devices it may carry (a merge's).
+        try self.enqueueDelete(
+          db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty)
         return
       }
       if !adopted {

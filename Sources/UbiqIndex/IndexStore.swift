@@ -498,6 +498,7 @@ public final class IndexStore: @unchecked Sendable {
             // Identity transfer: the moved file becomes the next version of the replaced item.
             // Its content stays its own: a dataless source keeps the chunk list its bytes are
             // downloaded (and uploaded) from; a cached one is uploaded from its cache file.
+            // Both files' conflict versions stay with it: the source's item is deleted.
             try self.enqueueDelete(
               db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src))
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
@@ -510,9 +511,14 @@ public final class IndexStore: @unchecked Sendable {
                 UPDATE items SET itemID = ?, etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = 0
                 WHERE id = ?
                 """,
-              arguments: [src.itemID, dstEtag, src.chunks, dst.base, dst.conflicts, srcID])
+              arguments: [
+                src.itemID, dstEtag, src.chunks, dst.base,
+                ItemRow.combinedConflicts(dst.conflictList, src.conflictList), srcID,
+              ])
           } else {
-            try self.enqueueDelete(db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud)
+            try self.enqueueDelete(
+              db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud,
+              keepsVersions: !dst.conflictList.isEmpty)
           }
         }
       }

@@ -90,6 +90,14 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
     return (try? JSONDecoder().decode([ConflictVersion].self, from: d)) ?? []
   }
 
+  /// The conflict versions of two rows that become one (one file renamed over another, a
+  /// commit adopted by the row that replaced its item), each version once: nil when none.
+  static func combinedConflicts(_ a: [ConflictVersion], _ b: [ConflictVersion]) -> String? {
+    var seen = Set<String>()
+    let all = (a + b).filter { seen.insert($0.versionID).inserted }
+    return all.isEmpty ? nil : json(all)
+  }
+
   static func json<T: Encodable>(_ v: T) -> String? {
     (try? JSONEncoder().encode(v)).flatMap { String(data: $0, encoding: .utf8) }
   }

@@ -780,6 +780,114 @@ final class SyncSimulation {
     }
   }
 
+  /// Whether device `w` still has `data` at `path`: as the content or as a conflict version.
+  static func holds(_ w: CoreWorld, _ path: String, _ data: Data) throws -> Bool {
+    guard let inode = try w.inode(path), let row = try w.index.item(inode) else { return false }
+    if try w.readFile(path) == data { return true }
+    return row.conflictList.contains { $0.chunks.map(\.hash) == [Chunker.sha256Hex(data)] }
+  }
+
+  /// Two devices edit f concurrently and both have v1 first; `b` is the device whose cloud calls
+  /// the test hooks. Returns the devices and the edits (A's is older, so B's wins a merge).
+  static func concurrentEdits(bWritesFirst: Bool) throws -> (a: CoreWorld, b: CoreWorld, hooked: FlakyCloud) {
+    let (a, _, cloud) = try CoreWorld.pair()
+    let hooked = FlakyCloud(cloud)
+    let b = try CoreWorld(cloud: hooked)
+    try a.writeFile("f", Data("v1\n".utf8))
+    try a.drainUploads()
+    try b.pull()
+    if bWritesFirst {
+      try b.writeFile("f", Data("edit from B\n".utf8))
+      try a.writeFile("f", Data("edit from A\n".utf8))
+    } else {
+      try a.writeFile("f", Data("edit from A\n".utf8))
+      try b.writeFile("f", Data("edit from B\n".utf8))
+    }
+    try a.drainUploads()
+    return (a, b, hooked)
+  }
+
+  /// B merges (its edit wins, A's becomes a conflict version) and deletes f while the merged
+  /// version is being committed: A's edit survives on both devices.
+  @Test func aFileDeletedWhileItsMergeIsCommittedKeepsTheOtherDevicesEdit() async throws {
+    try await onOwnThread {
+      let (a, b, hooked) = try Self.concurrentEdits(bWritesFirst: false)
+      let deleted = OutcomeBox()
+      hooked.beforeWrite = { n in
+        // Write 1 meets the conflict; write 2 is the merged version.
+        guard n == 2, deleted.get() == nil else { return }
+        deleted.set("deleted")
+        try b.core.unlink(parent: b.documents, name: "f")
+      }
+      try b.drainUploads()
+      hooked.beforeWrite = nil
+      try b.drainUploads()
+      for _ in 0..<2 {
+        try a.pull()
+        try b.pull()
+        try a.drainUploads()
+        try b.drainUploads()
+      }
+      #expect(deleted.get() == "deleted", "the delete ran during the merged commit")
+      for w in [a, b] {
+        #expect(try Self.holds(w, "f", Data("edit from A\n".utf8)), "A's edit survives")
+      }
+    }
+  }
+
+  /// A wins the merge while B saves f again during the merged commit: B keeps its new bytes and
+  /// A's content becomes a conflict version, A's, not B's. B then deletes f: A's edit survives.
+  @Test func aMergedVersionKeptAsAConflictVersionIsCreditedToItsAuthor() async throws {
+    try await onOwnThread {
+      let (a, b, hooked) = try Self.concurrentEdits(bWritesFirst: true)
+      let saved = OutcomeBox()
+      hooked.beforeWrite = { n in
+        guard n == 2, saved.get() == nil else { return }
+        saved.set("saved")
+        try b.writeFile("f", Data("B saved again\n".utf8))
+      }
+      try b.drainUploads()
+      hooked.beforeWrite = nil
+      try b.drainUploads()
+      #expect(saved.get() == "saved", "B saved during the merged commit")
+      #expect(try Self.holds(b, "f", Data("edit from A\n".utf8)), "A's edit is a version on B")
+      try b.core.unlink(parent: b.documents, name: "f")
+      try b.drainUploads()
+      for _ in 0..<2 {
+        try a.pull()
+        try b.pull()
+        try a.drainUploads()
+        try b.drainUploads()
+      }
+      for w in [a, b] {
+        #expect(try Self.holds(w, "f", Data("edit from A\n".utf8)), "A's edit survives the delete")
+      }
+    }
+  }
+
+  /// B has A's edit as a conflict version of f and renames f over another file g: the versions
+  /// move with it, A's edit survives on both devices.
+  @Test func aFileRenamedOverAnotherKeepsItsConflictVersions() async throws {
+    try await onOwnThread {
+      let (a, b, _) = try Self.concurrentEdits(bWritesFirst: false)
+      try b.drainUploads()
+      #expect(try Self.holds(b, "f", Data("edit from A\n".utf8)), "A's edit is a version on B")
+      try b.writeFile("g", Data("g\n".utf8))
+      try b.drainUploads()
+      try b.core.rename(parent: b.documents, name: "f", newParent: b.documents, newName: "g", flags: [])
+      try b.drainUploads()
+      for _ in 0..<2 {
+        try a.pull()
+        try b.pull()
+        try a.drainUploads()
+        try b.drainUploads()
+      }
+      for w in [a, b] {
+        #expect(try Self.holds(w, "g", Data("edit from A\n".utf8)), "A's edit moved with f")
+      }
+    }
+  }
+
   @Test func anEmptyFileFromAnotherDeviceCanBeRenamedBeforeItIsOpened() async throws {
     try await onOwnThread {
       // An empty file arrives as content "cached" with no cache file (nothing to download); the
