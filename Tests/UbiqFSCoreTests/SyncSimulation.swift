@@ -237,12 +237,17 @@ final class SyncSimulation {
         try replacing(d, newParent, newName, unless: moving?.inode) {
           try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: [])
         }
-        // A file replacing a file takes over the replaced item's identity: the bytes written to
-        // the moved item (on any device) now belong to that identity.
+        // A file replacing a file takes over the replaced item's identity: the bytes this device
+        // has of the moved item (its own writes, or others' it has seen) now belong to that
+        // identity. Writes another device made to the moved item that this one has not seen stay
+        // with the moved item's own identity (an edit there beats the delete of that identity).
         if let moving, let target, let movingID, moving.kind == .file, target.kind == .file,
           moving.inode != target.inode, let newID = try w.index.item(moving.inode)?.itemID
         {
-          for i in writes.indices where writes[i].itemID == movingID { writes[i].itemID = newID }
+          for i in writes.indices
+          where writes[i].itemID == movingID && (writes[i].device == d || observed[d].contains(writes[i].hash)) {
+            writes[i].itemID = newID
+          }
         }
       }
     case "exchange":
@@ -627,6 +632,13 @@ final class SyncSimulation {
     [
       (0, 0, 3, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (0, 0, 3, 0, 0), (1, 0, 3, 0, 0), (0, 6, 0, 0, 0),
       (1, 6, 0, 0, 0), (1, 2, 3, 0, 0),
+    ],
+    // A file renamed over another on device 0 while device 1, which has not seen the rename,
+    // edits it twice: device 1's edits stay with the moved file's own item (found by the sim
+    // soak, seed ZuUUDb+htzhonjJQ4ZbiTGTfxsFLtAtxOa6F3pKjEjA=, a bookkeeping error of the test).
+    [
+      (0, 0, 0, 0, 0), (0, 0, 3, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 0, 0, 0), (0, 5, 0, 3, 0),
+      (1, 0, 0, 0, 0),
     ],
     // Writes through a handle kept open while the other device's version arrives.
     [
