@@ -81,21 +81,21 @@ public final class Daemon {
     }
     try adoptWellKnownEtags(index: index, cloud: cloud)
 
-    let coordinator = WriteCoordinator()
+    let inodes = InodeTable()
     let worker = UploadWorker(
-      index: index, cache: cache, cloud: cloud, coordinator: coordinator, container: container, deviceID: deviceID,
+      index: index, cache: cache, cloud: cloud, inodes: inodes, container: container, deviceID: deviceID,
       logger: log)
     let fs = FilesystemCore(
-      index: index, cache: cache, coordinator: coordinator, container: container, options: options, logger: log,
+      index: index, cache: cache, inodes: inodes, container: container, options: options, logger: log,
       onQueued: { worker.kick() })
     // Writes a crash left unrecorded become a local revision before remote changes are applied.
     try fs.recoverUnrecordedWrites()
-    let downloader = Downloader(index: index, cache: cache, cloud: cloud, coordinator: coordinator, logger: log)
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, inodes: inodes, logger: log)
     if downloadLimitBytes > 0 { downloader.limiter = RateLimiter(bytesPerSecond: downloadLimitBytes) }
     fs.downloader = downloader
     downloader.onCached = { [weak fs] inode in fs?.attributesChanged(inode) }
     let puller = ChangePuller(
-      index: index, cache: cache, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(),
+      index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }

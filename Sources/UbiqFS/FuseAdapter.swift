@@ -87,17 +87,25 @@ final class FuseAdapter: @unchecked Sendable {
     return e
   }
 
+  /// Replies with an entry: the kernel then holds a reference to the inode (one more in its
+  /// lookup count), counted before the reply goes so that its forget never arrives first.
   func replyEntry(_ req: fuse_req_t?, _ a: FileAttributes) {
     var e = entry(a)
-    _ = fuse_reply_entry(req, &e)
+    core.entriesHanded(a.inode)
+    if fuse_reply_entry(req, &e) != 0 { core.forget(a.inode, count: 1) }
   }
 
+  func setHandle(_ fi: UnsafeMutablePointer<fuse_file_info>?, _ opened: OpenedFile) {
+    guard let fi else { return }
+    fi.pointee.fh = opened.handle
+    ubiq_fi_set_keep_cache(fi, opened.keepCache ? 1 : 0)
+  }
+
+  /// Replies to an open. If the reply cannot be sent (the caller was interrupted and is gone),
+  /// the kernel never releases the handle, so it is released here.
   func replyOpen(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?, _ opened: OpenedFile) {
-    if let fi {
-      fi.pointee.fh = opened.handle
-      ubiq_fi_set_keep_cache(fi, opened.keepCache ? 1 : 0)
-    }
-    _ = fuse_reply_open(req, fi)
+    setHandle(fi, opened)
+    if fuse_reply_open(req, fi) != 0 { core.release(opened.handle) }
   }
 
   /// Runs `body` and replies with its error, if any; `body` replies on success.
@@ -125,7 +133,22 @@ final class FuseAdapter: @unchecked Sendable {
     return try body(interruption)
   }
 
+  /// Runs `body`, which waits for content from the cloud and then replies, on a thread of its
+  /// own. The FUSE loop's workers never wait for the network: they stay free to read the
+  /// kernel's next requests, among them the FUSE_INTERRUPT that ends such a wait, and to serve
+  /// other processes while a download is slow. Were the waits on the workers, as many of them
+  /// as the loop has threads would stall the whole mount until the stall deadline.
+  func onWaitingThread(_ body: @escaping @Sendable () -> Void) {
+    Thread(block: body).start()
+  }
+
   // MARK: - namespace
+
+  /// The kernel dropped entries of inodes (FUSE forget); nothing is replied, as FUSE asks.
+  func forget(_ req: fuse_req_t?, _ forgets: [(fuse_ino_t, UInt64)]) {
+    for (ino, count) in forgets { core.forget(Int64(ino), count: count) }
+    fuse_reply_none(req)
+  }
 
   func lookup(_ req: fuse_req_t?, _ parent: fuse_ino_t, _ namePtr: UnsafePointer<CChar>?) {
     run(req) {
@@ -250,6 +273,8 @@ final class FuseAdapter: @unchecked Sendable {
     run(req) {
       var buf = [CChar](repeating: 0, count: size)
       var used = 0
+      // Inodes of readdirplus entries in the reply: the kernel takes a reference to each.
+      var handed: [Int64] = []
       // Fetch about as many rows as fit in the kernel's buffer (often one page).
       let batch = size / (plus ? 120 : 24) + 1
       try core.readdir(Int64(ino), offset: Int64(off), batch: batch) { d in
@@ -269,9 +294,12 @@ final class FuseAdapter: @unchecked Sendable {
         }
         if need > remaining { return false }
         used += need
+        if plus && d.name != "." && d.name != ".." { handed.append(d.attributes.inode) }
         return true
       }
-      buf.withUnsafeBufferPointer { b in _ = fuse_reply_buf(req, b.baseAddress, used) }
+      for inode in handed { core.entriesHanded(inode) }
+      let failed = buf.withUnsafeBufferPointer { b in fuse_reply_buf(req, b.baseAddress, used) != 0 }
+      if failed { for inode in handed { core.forget(inode, count: 1) } }
     }
   }
 
@@ -281,8 +309,21 @@ final class FuseAdapter: @unchecked Sendable {
     run(req) {
       let flags = fi?.pointee.flags ?? 0
       let who = caller(req)
-      let opened = try interruptible(req) { try core.open(Int64(ino), flags: flags, caller: who, interruption: $0) }
-      replyOpen(req, fi, opened)
+      guard try core.openWaitsForContent(Int64(ino), flags: flags), let fi else {
+        let opened = try interruptible(req) { try core.open(Int64(ino), flags: flags, caller: who, interruption: $0) }
+        replyOpen(req, fi, opened)
+        return
+      }
+      // libfuse's fuse_file_info lives in this worker's frame: the later reply uses a copy.
+      let deferred = DeferredReply(req, fi.pointee)
+      onWaitingThread { [self] in
+        run(deferred.req) {
+          let opened = try interruptible(deferred.req) {
+            try core.open(Int64(ino), flags: flags, caller: who, interruption: $0)
+          }
+          withUnsafeMutablePointer(to: &deferred.info) { replyOpen(deferred.req, $0, opened) }
+        }
+      }
     }
   }
 
@@ -293,21 +334,34 @@ final class FuseAdapter: @unchecked Sendable {
     run(req) {
       let (a, opened) = try core.create(
         parent: Int64(parent), name: try name(namePtr), mode: mode, caller: caller(req))
-      if let fi {
-        fi.pointee.fh = opened.handle
-        ubiq_fi_set_keep_cache(fi, opened.keepCache ? 1 : 0)
-      }
+      setHandle(fi, opened)
       var e = entry(a)
-      _ = fuse_reply_create(req, &e, fi)
+      core.entriesHanded(a.inode)
+      if fuse_reply_create(req, &e, fi) != 0 {
+        core.forget(a.inode, count: 1)
+        core.release(opened.handle)
+      }
     }
   }
 
   func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
     run(req) {
-      let fd = try interruptible(req) { try core.prepareRead(fh, offset: Int64(off), size: size, interruption: $0) }
-      _ = ubiq_reply_fd(req, fd, size, off)
-      core.didRead(fh)
+      if let fd = try core.readableDescriptor(fh, offset: Int64(off), size: size) {
+        _ = ubiq_reply_fd(req, fd, size, off)
+        core.didRead(fh)
+        return
+      }
+      let deferred = DeferredReply(req)
+      onWaitingThread { [self] in
+        run(deferred.req) {
+          let fd = try interruptible(deferred.req) {
+            try core.waitForRead(fh, offset: Int64(off), size: size, interruption: $0)
+          }
+          _ = ubiq_reply_fd(deferred.req, fd, size, off)
+          core.didRead(fh)
+        }
+      }
     }
   }
 
@@ -403,5 +457,18 @@ final class FuseAdapter: @unchecked Sendable {
       try core.removexattr(Int64(ino), name: try name(namePtr))
       _ = fuse_reply_err(req, 0)
     }
+  }
+}
+
+/// A request answered later from another thread (`FuseAdapter.onWaitingThread`), with the copy
+/// of its `fuse_file_info` the reply reads (libfuse's own copy lives in the worker's frame).
+/// Sendable: used by one thread at a time, handed over when the worker returns.
+final class DeferredReply: @unchecked Sendable {
+  let req: fuse_req_t?
+  var info: fuse_file_info
+
+  init(_ req: fuse_req_t?, _ info: fuse_file_info = fuse_file_info()) {
+    self.req = req
+    self.info = info
   }
 }

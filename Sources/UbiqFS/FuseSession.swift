@@ -118,8 +118,10 @@ public final class FuseSession: @unchecked Sendable {
       conn.pointee.time_gran = 1
     }
     ops.lookup = { req, parent, name in fsOf(req).lookup(req, parent, name) }
-    ops.forget = { req, _, _ in fuse_reply_none(req) }
-    ops.forget_multi = { req, _, _ in fuse_reply_none(req) }
+    ops.forget = { req, ino, nlookup in fsOf(req).forget(req, [(ino, nlookup)]) }
+    ops.forget_multi = { req, count, forgets in
+      fsOf(req).forget(req, UnsafeBufferPointer(start: forgets, count: count).map { ($0.ino, $0.nlookup) })
+    }
     ops.getattr = { req, ino, _ in fsOf(req).getattr(req, ino) }
     ops.setattr = { req, ino, attr, toSet, fi in fsOf(req).setattr(req, ino, attr, toSet, fi) }
     ops.readlink = { req, ino in fsOf(req).readlink(req, ino) }

@@ -14,7 +14,7 @@ extension FilesystemCore {
   /// the next open starts the new version's; its open readers finish with the old bytes.
   public func contentReplaced(_ inode: Int64) {
     downloader?.detach(inode)
-    pageEpochs.contentReplaced(inode)
+    inodes.contentReplaced(inode)
   }
 
   /// Drops replaced or deleted local content and tells the kernel what changed remotely.
@@ -26,7 +26,7 @@ extension FilesystemCore {
         // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
         continue
       case .deleted:
-        if handles.liveState(inode) == nil { forgetContent(inode) }
+        if !inodes.isOpen(inode) { forgetContent(inode) }
       default:
         // Replaced content was already dropped under the inode lock by whoever applied the
         // change (ChangePuller, UploadWorker); here only the kernel learns of it.
@@ -46,10 +46,10 @@ extension FilesystemCore {
     guard row.kind == .file else { return }
     let inode = row.id!
     if row.content == .dataless { return }
-    try coordinator.withInodeLock(inode) {
+    try inodes.withInodeLock(inode) {
       if downloader?.isDownloading(inode) == true { throw UbiqError.busy("\(row.name) is being downloaded") }
-      if handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
-      if coordinator.isBusy(inode) { throw UbiqError.busy("\(row.name) has unflushed writes") }
+      if inodes.isOpen(inode) { throw UbiqError.busy("\(row.name) is open") }
+      if inodes.isBusy(inode) { throw UbiqError.busy("\(row.name) has unflushed writes") }
       if row.pinned { throw UbiqError.busy("\(row.name) is pinned") }
       guard try index.markEvicted(inode) else {
         throw UbiqError.busy("\(row.name) has changes not yet uploaded")
@@ -85,7 +85,7 @@ extension FilesystemCore {
     }
     guard overBudget(), let candidates = try? index.evictionCandidates(limit: 500) else { return 0 }
     for row in candidates {
-      if handles.liveState(row.id!) != nil || coordinator.isBusy(row.id!) { continue }
+      if inodes.isOpen(row.id!) || inodes.isBusy(row.id!) { continue }
       if (try? evict(row)) != nil {
         freed += row.size
         log.debug("cache budget: evicted \(row.name) (\(row.size) bytes)")
@@ -172,8 +172,8 @@ extension FilesystemCore {
     guard row.kind == .file else { throw UbiqError.invalidArgument("only files have versions") }
     guard !keep.isEmpty else { throw UbiqError.invalidArgument("user.ubiq.resolve takes 'current' or a version id") }
     let inode = row.id!
-    try coordinator.withInodeLock(inode) {
-      if keep != "current" && handles.liveState(inode) != nil { throw UbiqError.busy("\(row.name) is open") }
+    try inodes.withInodeLock(inode) {
+      if keep != "current" && inodes.isOpen(inode) { throw UbiqError.busy("\(row.name) is open") }
       if try index.resolveConflicts(inode, keep: keep == "current" ? nil : keep) {
         cache.remove(inode)
         contentReplaced(inode)

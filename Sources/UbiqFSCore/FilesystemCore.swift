@@ -15,17 +15,17 @@ import UbiqSync
 /// durable upload queue; never waits on the network for metadata.
 ///
 /// Concurrency: called on many threads at once (the FUSE adapter's worker pool, tests). Each
-/// piece of shared state has one owner with its own lock: `HandleTable` (open handles and
-/// per-inode live state), `WriteCoordinator` (generations, writers, the per-inode lock that
-/// orders content transitions), `Downloader` (running downloads), `PageCacheEpochs`; the index
-/// serializes its own writes. Content transitions of one inode (open, truncate, first write,
-/// flush, evict, remote replacement, download completion) run under that inode's lock.
-/// Sendable: the callbacks and `downloader` are set before the mount starts; `forgotten` is guarded by
-/// `forgottenLock`.
+/// piece of shared state has one owner with its own lock: `InodeTable` (all per-inode state in
+/// memory, and the per-inode lock that orders content transitions), `HandleTable` (open
+/// handles by number), `Downloader` (running downloads); the index serializes its own writes.
+/// Content transitions of one inode (open, truncate, first write, flush, evict, remote
+/// replacement, download completion) run under that inode's lock.
+/// Sendable: the callbacks and `downloader` are set before the mount starts; `forgotten` is
+/// guarded by `forgottenLock`.
 public final class FilesystemCore: @unchecked Sendable {
   public let index: IndexStore
   public let cache: ContentCache
-  public let coordinator: WriteCoordinator
+  public let inodes: InodeTable
   public let container: ContainerID
   public let options: MountOptions
   let log: Logger
@@ -42,7 +42,6 @@ public final class FilesystemCore: @unchecked Sendable {
   /// Percent uploaded of an item whose upload is in flight.
   public var uploadPercent: (Int64) -> Int? = { _ in nil }
   let xattrSnapshots = XattrSnapshots()
-  let pageEpochs = PageCacheEpochs()
   /// Items whose cache files wait for `removeForgottenContent`.
   private var forgotten: [Int64] = []
   private let forgottenLock = NSLock()
@@ -51,12 +50,12 @@ public final class FilesystemCore: @unchecked Sendable {
   public static let maxFileSize: Int64 = 1 << 44
 
   public init(
-    index: IndexStore, cache: ContentCache, coordinator: WriteCoordinator, container: ContainerID,
+    index: IndexStore, cache: ContentCache, inodes: InodeTable, container: ContainerID,
     options: MountOptions, logger: Logger, onQueued: @escaping () -> Void
   ) {
     self.index = index
     self.cache = cache
-    self.coordinator = coordinator
+    self.inodes = inodes
     self.container = container
     self.options = options
     self.log = logger
@@ -79,7 +78,7 @@ public final class FilesystemCore: @unchecked Sendable {
     let ino = row.id!
     var size = row.size
     var mtime = row.mtimeNs
-    if row.kind == .file, let live = handles.openFileState(ino) {
+    if row.kind == .file, let live = inodes.openFileState(ino) {
       if let s = live.size { size = s }
       if let m = live.pendingMtimeNs { mtime = m }
     }
@@ -115,7 +114,7 @@ public final class FilesystemCore: @unchecked Sendable {
   public func getattr(_ inode: Int64) throws -> FileAttributes {
     if let row = try index.item(inode) { return attributes(for: row) }
     // An open file that was unlinked.
-    if let o = handles.liveState(inode)?.orphan, let live = handles.openFileState(inode) {
+    if let o = inodes.unlinkedAttributes(inode), let live = inodes.openFileState(inode) {
       let size = live.size ?? 0
       let mtime = live.pendingMtimeNs ?? o.mtimeNs
       return FileAttributes(
@@ -142,7 +141,7 @@ public final class FilesystemCore: @unchecked Sendable {
     case nil: break
     }
     // An explicit mtime (cp -p, touch) replaces the time of earlier writes.
-    if c.mtimeNs != nil { handles.setPendingMtime(inode, nil) }
+    if c.mtimeNs != nil { inodes.clearPendingMtime(inode) }
     if let size = update.size {
       let row = try requireRow(inode)
       if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
@@ -156,11 +155,11 @@ public final class FilesystemCore: @unchecked Sendable {
           try truncateContent(inode, to: size, through: open?.fd)
         }
       } else {
-        try coordinator.withInodeLock(inode) { try truncateContent(inode, to: size, through: open?.fd) }
+        try inodes.withInodeLock(inode) { try truncateContent(inode, to: size, through: open?.fd) }
       }
       c.size = size
       if c.mtimeNs == nil { c.mtimeNs = now }
-      handles.setPendingMtime(inode, nil)
+      inodes.clearPendingMtime(inode)
     }
     _ = try index.setAttributes(inode, c)
     if c.syncs { onQueued() }
@@ -176,10 +175,10 @@ public final class FilesystemCore: @unchecked Sendable {
     downloader?.supersede(inode)
     let cacheFD = try fd ?? cache.open(inode, create: true)
     defer { if fd == nil { close(cacheFD) } }
-    coordinator.noteReplaced(inode)
+    inodes.noteReplaced(inode)
     if ftruncate(cacheFD, off_t(size)) != 0 { throw UbiqError.posix(errno, "truncate") }
     try index.recordContentChange(
-      inode, size: size, mtimeNs: Clock.nowNs(), clean: coordinator.dirtyHandleCount(inode) == 0)
+      inode, size: size, mtimeNs: Clock.nowNs(), clean: inodes.dirtyHandleCount(inode) == 0)
     onQueued()
   }
 
@@ -233,21 +232,19 @@ public final class FilesystemCore: @unchecked Sendable {
   /// Drops the local content of a row that left the namespace (now, or at its last release).
   func dispose(_ row: ItemRow) {
     guard let inode = row.id, row.kind == .file else { return }
-    let snap = ItemSnapshot(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs)
-    if !handles.markUnlinked(inode, orphan: snap) { forgetContent(inode) }
+    let attributes = UnlinkedAttributes(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs)
+    if !inodes.markUnlinked(inode, attributes) { forgetContent(inode) }
   }
 
-  /// An item is gone for good (inodes are never reused): its download, cache file and
-  /// per-inode state go.
-  /// The item's row is gone (deleted, replaced by a rename) and no handle holds it open. Its
-  /// cache file is removed once the index commit that dropped the row is durable: a power loss
+  /// The item's row is gone (deleted, replaced by a rename; inode numbers are never reused)
+  /// and no handle holds it open: its download stops, its state in memory goes, and its cache
+  /// file is removed once the index commit that dropped the row is durable: a power loss
   /// before that brings the row back, which must find its bytes (a name removal is durable at
   /// once on most filesystems, a commit is not).
   func forgetContent(_ inode: Int64) {
     downloader?.supersede(inode)
     forgottenLock.withLock { forgotten.append(inode) }
-    coordinator.forget(inode)
-    pageEpochs.forget(inode)
+    inodes.itemGone(inode)
   }
 
   /// Removes the cache files of forgotten items, making the index durable first if asked (it
@@ -341,29 +338,28 @@ public final class FilesystemCore: @unchecked Sendable {
     // The handle is registered under the inode lock, so an eviction (which takes the same
     // lock) either ran before this open or sees the handle and refuses.
     func register(_ fd: Int32, _ stream: ContentStream?) -> UInt64 {
-      let file = OpenFile(
-        inode: inode, fd: fd, writable: writable, epoch: pageEpochs.current(inode), readAhead: newReadAheadWindow())
+      let file = OpenFile(inode: inode, fd: fd, writable: writable, readAhead: newReadAheadWindow())
       file.stream = stream
-      return handles.add(file)
+      let h = handles.add(file)
+      file.epoch = inodes.opened(inode, handle: h, fd: fd, writable: writable)
+      return h
     }
     let h: UInt64
     if writable && flags & O_TRUNC == 0 {
       // A writer needs the whole content here first.
       h = try withContentCached(inode, interruption: interruption) { _ in
-        let fd = try cache.open(inode, create: false)
-        coordinator.noteWriterOpened(inode)
-        return register(fd, nil)
+        return register(try cache.open(inode, create: false), nil)
       }
     } else {
-      h = try coordinator.withInodeLock(inode) {
+      h = try inodes.withInodeLock(inode) {
         let (fd, stream) = try openCacheFile(inode, flags: flags)
         return register(fd, stream)
       }
     }
     handles.noteUse(inode)
     // Local writes go through the kernel's page cache, so cached pages stay valid, unless the
-    // content was replaced remotely since (see PageCacheEpochs).
-    return OpenedFile(handle: h, keepCache: pageEpochs.mayKeepPages(inode))
+    // content was replaced remotely since (see `InodeTable.contentReplaced`).
+    return OpenedFile(handle: h, keepCache: inodes.mayKeepPages(inode))
   }
 
   /// A new handle's read-ahead: at most 64 MiB, and at most a quarter of the cache budget.
@@ -389,13 +385,12 @@ public final class FilesystemCore: @unchecked Sendable {
         let cachedBytes = fstat(fd, &st) == 0 ? Int64(st.st_size) : -1
         if current.size != 0 || current.content == .dataless || cachedBytes != 0 {
           try truncateContent(inode, to: 0, through: fd)
-          handles.setPendingMtime(inode, nil)
+          inodes.clearPendingMtime(inode)
         }
       } catch {
         close(fd)
         throw error
       }
-      coordinator.noteWriterOpened(inode)
       return (fd, nil)
     }
     var stream: ContentStream?
@@ -418,10 +413,14 @@ public final class FilesystemCore: @unchecked Sendable {
   /// empty file in its place (that would be uploaded over the cloud's copy).
   func contentPresent(_ row: ItemRow) throws -> Bool {
     guard row.content == .cached else { return false }
-    if cache.exists(row.id!) { return true }
-    if row.size == 0 {
+    switch cache.cachedContent(row.id!, size: row.size) {
+    case .file:
+      return true
+    case .emptyWithoutFile:
       close(try cache.open(row.id!, create: true))
       return true
+    case .missing:
+      break
     }
     guard downloader != nil, try index.markContentMissing(row.id!) else {
       log.error("cache file of \(row.name) is gone and its last changes never reached the cloud")
@@ -437,7 +436,7 @@ public final class FilesystemCore: @unchecked Sendable {
   /// under the lock (an eviction or a remote version may have come in between).
   func withContentCached<T>(_ inode: Int64, interruption: Interruption?, _ body: (ItemRow) throws -> T) throws -> T {
     for _ in 0..<3 {
-      let result = try coordinator.withInodeLock(inode) { () throws -> T? in
+      let result = try inodes.withInodeLock(inode) { () throws -> T? in
         let row = try requireRow(inode)
         if row.kind != .file { return try body(row) }
         return try contentPresent(row) ? try body(row) : nil
@@ -462,8 +461,9 @@ public final class FilesystemCore: @unchecked Sendable {
     let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
     let fd = try cache.open(row.id!, create: true)
     _ = ftruncate(fd, 0)
-    coordinator.noteWriterOpened(row.id!)
-    let h = handles.add(OpenFile(inode: row.id!, fd: fd, writable: true))
+    let file = OpenFile(inode: row.id!, fd: fd, writable: true)
+    let h = handles.add(file)
+    file.epoch = inodes.opened(row.id!, handle: h, fd: fd, writable: true)
     return (attributes(for: row), OpenedFile(handle: h, keepCache: true))
   }
 
@@ -477,19 +477,45 @@ public final class FilesystemCore: @unchecked Sendable {
   public func prepareRead(
     _ handle: UInt64, offset: Int64, size: Int, interruption: Interruption? = nil
   ) throws -> Int32 {
+    if let fd = try readableDescriptor(handle, offset: offset, size: size) { return fd }
+    return try waitForRead(handle, offset: offset, size: size, interruption: interruption)
+  }
+
+  /// The first half of `prepareRead`, which never waits: asks for the range (and the
+  /// handle's read-ahead) and returns the descriptor to read it from if it is here, or nil if
+  /// the read must wait for the cloud (`waitForRead`).
+  public func readableDescriptor(_ handle: UInt64, offset: Int64, size: Int) throws -> Int32? {
     let f = try openHandle(handle)
     // `stream` is set once at open and never changed, so reading it here is race-free.
     if let s = f.stream, let downloader, !(s.finished && s.failed == nil) {
       let ahead = f.fetchLimit(afterReadAt: offset, length: size)
-      try downloader.waitForRange(s, offset, size, fetchAheadTo: ahead, interruption: interruption)
+      if !downloader.requestRange(s, offset, size, fetchAheadTo: ahead) { return nil }
     }
     return f.fd
   }
 
-  /// A read through `handle` was answered (see `PageCacheEpochs`).
+  /// The second half of `prepareRead`: waits for a range `readableDescriptor` asked for.
+  public func waitForRead(
+    _ handle: UInt64, offset: Int64, size: Int, interruption: Interruption? = nil
+  ) throws -> Int32 {
+    let f = try openHandle(handle)
+    if let s = f.stream, let downloader, !(s.finished && s.failed == nil) {
+      try downloader.waitForRequestedRange(s, offset, size, interruption: interruption)
+    }
+    return f.fd
+  }
+
+  /// True if an open of `inode` with `flags` waits for a download: an open that may write
+  /// (without O_TRUNC) needs the whole content, and it is not here.
+  public func openWaitsForContent(_ inode: Int64, flags: Int32) throws -> Bool {
+    guard flags & O_ACCMODE != O_RDONLY, flags & O_TRUNC == 0, let row = try index.item(inode) else { return false }
+    return row.kind == .file && row.content != .cached
+  }
+
+  /// A read through `handle` was answered (see `InodeTable.noteRead`).
   public func didRead(_ handle: UInt64) {
     guard let f = handles.get(handle) else { return }
-    pageEpochs.noteRead(f.inode, openedIn: f.epoch)
+    inodes.noteRead(f.inode, openedIn: f.epoch)
   }
 
   /// Reads bytes through a handle (tests and tools; the FUSE adapter splices from the descriptor).
@@ -526,7 +552,7 @@ public final class FilesystemCore: @unchecked Sendable {
         }
         done += n
       }
-      handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+      inodes.noteWritten(f.inode, mtimeNs: Clock.nowNs())
       return done
     }
   }
@@ -537,16 +563,16 @@ public final class FilesystemCore: @unchecked Sendable {
   /// flush is found at the next mount and the bytes are recorded and uploaded.
   func beginWrite(_ f: OpenFile) throws {
     if f.dirty {
-      coordinator.noteWrite(f.inode, handleWasClean: false)
+      inodes.beginWrite(f.inode, handleWasClean: false)
       return
     }
-    try coordinator.withInodeLock(f.inode) {
+    try inodes.withInodeLock(f.inode) {
       if f.dirty {
-        coordinator.noteWrite(f.inode, handleWasClean: false)
+        inodes.beginWrite(f.inode, handleWasClean: false)
         return
       }
       try index.markContentDirty(f.inode)
-      coordinator.noteWrite(f.inode, handleWasClean: true)
+      inodes.beginWrite(f.inode, handleWasClean: true)
       f.dirty = true
     }
   }
@@ -558,13 +584,13 @@ public final class FilesystemCore: @unchecked Sendable {
       var st = Glibc.stat()
       if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
       // nil: the mtime was set explicitly after the last write; keep it.
-      let mtime = handles.takePendingMtime(f.inode)
-      try coordinator.withInodeLock(f.inode) {
+      let mtime = inodes.takePendingMtime(f.inode)
+      try inodes.withInodeLock(f.inode) {
         // The last dirty handle clears the durable mark in the same transaction.
-        let clean = coordinator.dirtyHandleCount(f.inode) <= 1
+        let clean = inodes.dirtyHandleCount(f.inode) <= 1
         try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
         f.dirty = false
-        coordinator.noteFlushed(f.inode)
+        inodes.noteFlushed(f.inode)
       }
       return true
     }
@@ -596,21 +622,20 @@ public final class FilesystemCore: @unchecked Sendable {
   }
 
   public func release(_ handle: UInt64) {
-    guard let (f, last, unlinked) = handles.remove(handle) else { return }
+    guard let f = handles.remove(handle) else { return }
     do {
       try persist(f)
     } catch {
       // The durable dirty mark stays: the bytes are recorded at the next flush of the file or
       // the next mount. The handle no longer blocks uploads of the file.
       log.error("release: recording the writes failed: \(error)")
-      if f.dirty { coordinator.noteFlushed(f.inode) }
     }
     if let s = f.stream, let downloader {
-      coordinator.withInodeLock(f.inode) { downloader.closeReader(s) }
+      inodes.withInodeLock(f.inode) { downloader.closeReader(s) }
     }
+    let lastOfUnlinked = inodes.closed(f.inode, handle: handle, writable: f.writable, wasDirty: f.dirty) != nil
     close(f.fd)
-    if f.writable { coordinator.noteWriterClosed(f.inode) }
-    if last && unlinked { forgetContent(f.inode) }
+    if lastOfUnlinked { forgetContent(f.inode) }
   }
 
   public func fallocate(_ handle: UInt64, mode: Int32, offset: Int64, length: Int64) throws {
@@ -623,7 +648,7 @@ public final class FilesystemCore: @unchecked Sendable {
       try beginWrite(f)
       let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
       if r != 0 { throw UbiqError.posix(r, "fallocate") }
-      handles.noteWrite(f.inode, mtimeNs: Clock.nowNs())
+      inodes.noteWritten(f.inode, mtimeNs: Clock.nowNs())
     }
   }
 
@@ -635,5 +660,15 @@ public final class FilesystemCore: @unchecked Sendable {
   }
 
   /// Open handles (for tests and status).
-  public var openHandleCount: Int { handles.openHandleCount }
+  public var openHandleCount: Int { handles.count }
+
+  // MARK: - the kernel's references
+
+  /// A reply handed the kernel `count` entries of `inode` (FUSE's lookup count): lookup,
+  /// create, mkdir, mknod, symlink, a readdirplus entry. Called before the reply is sent.
+  public func entriesHanded(_ inode: Int64, count: UInt64 = 1) { inodes.noteLookup(inode, count: count) }
+
+  /// The kernel forgot `count` of its entries of `inode`; when none is left and no handle is
+  /// open, the inode's state in memory goes.
+  public func forget(_ inode: Int64, count: UInt64) { inodes.forget(inode, count: count) }
 }

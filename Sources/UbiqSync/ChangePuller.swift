@@ -17,7 +17,7 @@ public final class ChangePuller: @unchecked Sendable {
   let cache: ContentCache
   let cloud: CloudService
   let container: ContainerID
-  let coordinator: WriteCoordinator
+  let inodes: InodeTable
   let uid: UInt32
   let gid: UInt32
   let log: Logger
@@ -35,14 +35,14 @@ public final class ChangePuller: @unchecked Sendable {
   private var wakeRequested = false
 
   public init(
-    index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, coordinator: WriteCoordinator,
+    index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, inodes: InodeTable,
     uid: UInt32, gid: UInt32, logger: Logger
   ) {
     self.index = index
     self.cache = cache
     self.cloud = cloud
     self.container = container
-    self.coordinator = coordinator
+    self.inodes = inodes
     self.uid = uid
     self.gid = gid
     self.log = logger
@@ -144,8 +144,8 @@ public final class ChangePuller: @unchecked Sendable {
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
     // transaction).
     if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
-    return try coordinator.withInodeLock(inode) {
-      if coordinator.isBusy(inode) {
+    return try inodes.withInodeLock(inode) {
+      if inodes.isBusy(inode) {
         if holding { try index.holdRemote(item) }
         return RemoteApplyResult(outcome: .locallyModified, inode: inode)
       }

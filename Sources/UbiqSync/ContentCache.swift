@@ -32,6 +32,24 @@ public final class ContentCache: @unchecked Sendable {
 
   public func exists(_ inode: Int64) -> Bool { access(path(inode), F_OK) == 0 }
 
+  /// What stands for the content of a file the index says is cached.
+  public enum CachedContent: Equatable, Sendable {
+    /// The cache file.
+    case file
+    /// An empty file without a cache file: its content is known without one (an empty file
+    /// that arrived from the cloud gets its cache file only when something opens it).
+    case emptyWithoutFile
+    /// The cache file of a non-empty file is gone (a crash, a hand removal).
+    case missing
+  }
+
+  /// The one rule for a cached file's content on disk: a missing cache file is an empty file's
+  /// content when the file is empty, and lost content otherwise.
+  public func cachedContent(_ inode: Int64, size: Int64) -> CachedContent {
+    if exists(inode) { return .file }
+    return size == 0 ? .emptyWithoutFile : .missing
+  }
+
   public func remove(_ inode: Int64) {
     unlink(path(inode))
     lock.withLock { namesChanged = true }
@@ -64,83 +82,5 @@ public final class ContentCache: @unchecked Sendable {
     var st = stat()
     guard stat(path(inode), &st) == 0 else { return 0 }
     return Int64(st.st_blocks) * 512
-  }
-}
-
-/// Coordinates writers and the uploader for each inode so that an upload always sends a
-/// consistent snapshot: the state of the file as of a close/fsync, never a torn mix.
-/// Writers bump a generation and mark the inode unflushed; flush/fsync clears the mark.
-/// The uploader reads only when nothing is unflushed and discards its read if the generation
-/// moved meanwhile.
-/// Sendable: `states` is guarded by `lock`; `stripes` are the per-inode locks themselves.
-public final class WriteCoordinator: @unchecked Sendable {
-  struct State {
-    var generation: UInt64 = 0
-    /// Open handles with writes not yet closed or fsynced.
-    var dirtyHandles = 0
-    /// Open handles that may write.
-    var writers = 0
-  }
-  private let stripes = (0..<64).map { _ in NSLock() }
-
-  /// Serializes opening a file against replacing its content with a remote version.
-  public func withInodeLock<T>(_ inode: Int64, _ body: () throws -> T) rethrows -> T {
-    try stripes[Int(UInt64(bitPattern: inode) % 64)].withLock(body)
-  }
-
-  public func noteWriterOpened(_ inode: Int64) { lock.withLock { states[inode, default: State()].writers += 1 } }
-  public func noteWriterClosed(_ inode: Int64) {
-    lock.withLock { if let s = states[inode], s.writers > 0 { states[inode]!.writers -= 1 } }
-  }
-  /// True while a handle that may write is open, or writes are unflushed.
-  public func isBusy(_ inode: Int64) -> Bool {
-    lock.withLock { (states[inode]?.writers ?? 0) > 0 || (states[inode]?.dirtyHandles ?? 0) > 0 }
-  }
-  private var states: [Int64: State] = [:]
-  private let lock = NSLock()
-
-  public init() {}
-
-  /// A write through a handle; `handleWasClean` is true for its first write since its last flush.
-  public func noteWrite(_ inode: Int64, handleWasClean: Bool) {
-    lock.withLock {
-      states[inode, default: State()].generation &+= 1
-      if handleWasClean { states[inode]!.dirtyHandles += 1 }
-    }
-  }
-
-  /// Open handles of `inode` holding writes not yet recorded in the index.
-  public func dirtyHandleCount(_ inode: Int64) -> Int { lock.withLock { states[inode]?.dirtyHandles ?? 0 } }
-
-  /// A dirty handle was flushed (close/fsync) and its content recorded in the index.
-  public func noteFlushed(_ inode: Int64) {
-    lock.withLock {
-      if let s = states[inode], s.dirtyHandles > 0 { states[inode]!.dirtyHandles -= 1 }
-    }
-  }
-
-  /// A complete content change outside any handle (truncate).
-  public func noteReplaced(_ inode: Int64) {
-    lock.withLock { states[inode, default: State()].generation &+= 1 }
-  }
-
-  /// Starts a snapshot read; nil while the file has writes not yet closed or fsynced.
-  public func beginSnapshot(_ inode: Int64) -> UInt64? {
-    lock.withLock {
-      let s = states[inode] ?? State()
-      return s.dirtyHandles > 0 ? nil : s.generation
-    }
-  }
-
-  /// True if no write happened since `beginSnapshot` returned `token`.
-  public func isSnapshotIntact(_ inode: Int64, _ token: UInt64) -> Bool {
-    lock.withLock {
-      let s = states[inode] ?? State()
-      return s.dirtyHandles == 0 && s.generation == token
-    }
-  }
-
-  public func forget(_ inode: Int64) {
-    lock.withLock { if states[inode]?.writers ?? 0 == 0 { states.removeValue(forKey: inode) } }
   }
 }

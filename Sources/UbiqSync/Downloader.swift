@@ -89,6 +89,9 @@ public final class ContentStream: @unchecked Sendable {
   /// Held around every write into the cache file, so `stop` returns only after the last write
   /// of a chunk is done.
   private let writeLock = NSLock()
+  /// Cancel the chunk requests in flight (`cancellingOnStop`), by key.
+  private var cancellers: [Int: @Sendable () -> Void] = [:]
+  private var nextCanceller = 0
 
   init(inode: Int64, manifest: String?, size: Int64, chunks: [ChunkRef], fd: Int32) {
     self.inode = inode
@@ -167,6 +170,20 @@ public final class ContentStream: @unchecked Sendable {
   /// `stallTimeoutNs`, or the caller was interrupted. A range that reaches the end of the file,
   /// once every chunk is here, also waits until the download is finished (made durable and
   /// recorded), so a reader that read the whole file then sees it downloaded.
+  /// True if a read of [off, off+len) would not wait: the range is here, or the download
+  /// stopped (the read takes the file as it is).
+  func isReadable(_ off: Int64, _ len: Int) -> Bool {
+    let range = chunkRange(off, len)
+    let toEnd = off.addingReportingOverflow(Int64(len)).partialValue >= size
+    return cond.withLock { isStopped || !lacks(range, toEnd: toEnd) }
+  }
+
+  /// Whether a read of `range` must still wait (`toEnd`: it reaches the end of the file, which
+  /// is final only once the download has finished). Called under `cond`.
+  private func lacks(_ range: Range<Int>, toEnd: Bool) -> Bool {
+    range.contains(where: { !done[$0] }) || (toEnd && doneCount == chunks.count && !isFinished)
+  }
+
   func waitForRange(_ off: Int64, _ len: Int, stallTimeoutNs: UInt64, interruption: Interruption?) throws {
     let range = chunkRange(off, len)
     let toEnd = off.addingReportingOverflow(Int64(len)).partialValue >= size
@@ -175,9 +192,7 @@ public final class ContentStream: @unchecked Sendable {
       defer { self.cond.unlock() }
       var progress = self.doneCount
       var deadline = Date(timeIntervalSinceNow: Double(stallTimeoutNs) / 1e9)
-      while range.contains(where: { !self.done[$0] })
-        || (toEnd && self.doneCount == self.chunks.count && !self.isFinished)
-      {
+      while self.lacks(range, toEnd: toEnd) {
         if self.isStopped { return }
         if let failure = self.failure { throw failure }
         if interruption?.isInterrupted == true { throw UbiqError.interrupted("waiting for content from the cloud") }
@@ -307,12 +322,33 @@ public final class ContentStream: @unchecked Sendable {
   /// Stops the download for good. Returns once no chunk can be written into the cache file any
   /// more.
   func stop() {
-    writeLock.withLock {
-      cond.withLock {
+    let cancel = writeLock.withLock {
+      cond.withLock { () -> [@Sendable () -> Void] in
         isStopped = true
         cond.broadcast()
+        defer { cancellers = [:] }
+        return Array(cancellers.values)
       }
     }
+    for c in cancel { c() }
+  }
+
+  /// Runs one chunk's request so that `stop` cancels it: a request that hangs would otherwise
+  /// hold the stopped download (its task and its cache file descriptor) until it times out.
+  func cancellingOnStop<T: Sendable>(_ request: @escaping @Sendable () async throws -> T) async throws -> T {
+    let task = Task { try await request() }
+    let key = cond.withLock { () -> Int? in
+      if isStopped { return nil }
+      nextCanceller += 1
+      cancellers[nextCanceller] = { task.cancel() }
+      return nextCanceller
+    }
+    guard let key else {
+      task.cancel()
+      throw CancellationError()
+    }
+    defer { cond.withLock { _ = cancellers.removeValue(forKey: key) } }
+    return try await task.value
   }
 
   /// Writes fetched bytes at `offset` of the cache file unless the download stopped. Returns
@@ -353,7 +389,7 @@ public final class Downloader: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache
   let cloud: CloudService
-  let coordinator: WriteCoordinator
+  let inodes: InodeTable
   let log: Logger
   /// Concurrent chunk fetches per file.
   public var parallelism = 4
@@ -370,12 +406,12 @@ public final class Downloader: @unchecked Sendable {
   private var fetching = 0
 
   public init(
-    index: IndexStore, cache: ContentCache, cloud: CloudService, coordinator: WriteCoordinator, logger: Logger
+    index: IndexStore, cache: ContentCache, cloud: CloudService, inodes: InodeTable, logger: Logger
   ) {
     self.index = index
     self.cache = cache
     self.cloud = cloud
-    self.coordinator = coordinator
+    self.inodes = inodes
     self.log = logger
   }
 
@@ -442,6 +478,20 @@ public final class Downloader: @unchecked Sendable {
 
   /// Waits until [offset, offset+length) of the file is in its cache file, fetching ahead up to
   /// `fetchAheadTo` meanwhile.
+  /// Asks for [offset, offset+length) of the file and read-ahead up to `fetchAheadTo`; true if
+  /// a read of the range can go on at once, false if it must wait (`waitForRequestedRange`).
+  public func requestRange(_ s: ContentStream, _ offset: Int64, _ length: Int, fetchAheadTo: Int64) -> Bool {
+    if s.request(offset, length, fetchAheadTo: fetchAheadTo) { schedule(s) }
+    return s.isReadable(offset, length)
+  }
+
+  /// Waits for a range asked for with `requestRange`.
+  public func waitForRequestedRange(
+    _ s: ContentStream, _ offset: Int64, _ length: Int, interruption: Interruption? = nil
+  ) throws {
+    try s.waitForRange(offset, length, stallTimeoutNs: stallTimeoutNs, interruption: interruption)
+  }
+
   public func waitForRange(
     _ s: ContentStream, _ offset: Int64, _ length: Int, fetchAheadTo: Int64, interruption: Interruption? = nil
   ) throws {
@@ -471,7 +521,7 @@ public final class Downloader: @unchecked Sendable {
   public func ensureCached(_ inode: Int64, interruption: Interruption? = nil) throws {
     for _ in 0..<3 {
       // Under the inode lock: creating the cache file is a content transition.
-      guard let s = try coordinator.withInodeLock(inode, { try stream(inode) }) else { return }
+      guard let s = try inodes.withInodeLock(inode, { try stream(inode) }) else { return }
       s.requestWholeFile()
       schedule(s)
       try s.waitForRange(
@@ -522,7 +572,7 @@ public final class Downloader: @unchecked Sendable {
       // either downloading or cached. Only the inode's current stream may complete it: an
       // older one of the same manifest (a revert while it ran) did not fill the cache file the
       // index now points at.
-      let ok = coordinator.withInodeLock(s.inode) { () -> Bool in
+      let ok = inodes.withInodeLock(s.inode) { () -> Bool in
         guard lock.withLock({ streams[s.inode] === s }) else { return false }
         let marked = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
         lock.withLock { streams[s.inode] = nil }
@@ -546,7 +596,8 @@ public final class Downloader: @unchecked Sendable {
     } catch let e as UbiqError {
       s.giveUp(i, e)
     } catch {
-      s.giveUp(i, .io("\(error)"))
+      // A request cancelled because the download stopped is no failure.
+      if s.stopped { s.drop(i) } else { s.giveUp(i, .io("\(error)")) }
     }
   }
 
@@ -560,7 +611,7 @@ public final class Downloader: @unchecked Sendable {
       if s.stopped { return false }
       do {
         await limiter?.acquire(Int(clamping: chunk.length))
-        let data = try await cloud.getChunk(hash: chunk.hash, range: nil)
+        let data = try await s.cancellingOnStop { [cloud] in try await cloud.getChunk(hash: chunk.hash, range: nil) }
         lock.withLock { fetched &+= Int64(data.count) }
         guard Int64(data.count) == chunk.length, Chunker.sha256Hex(data) == chunk.hash else {
           throw UbiqError.io("downloaded chunk \(chunk.hash.prefix(12)) does not match its hash")

@@ -17,7 +17,7 @@ public final class UploadWorker: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache
   let cloud: CloudService
-  let coordinator: WriteCoordinator
+  let inodes: InodeTable
   let container: ContainerID
   let deviceID: String
   let chunker: Chunker
@@ -60,13 +60,13 @@ public final class UploadWorker: @unchecked Sendable {
   }
 
   public init(
-    index: IndexStore, cache: ContentCache, cloud: CloudService, coordinator: WriteCoordinator,
+    index: IndexStore, cache: ContentCache, cloud: CloudService, inodes: InodeTable,
     container: ContainerID, deviceID: String, chunker: Chunker = .standard, logger: Logger
   ) {
     self.index = index
     self.cache = cache
     self.cloud = cloud
-    self.coordinator = coordinator
+    self.inodes = inodes
     self.container = container
     self.deviceID = deviceID
     self.chunker = chunker
@@ -303,9 +303,7 @@ public final class UploadWorker: @unchecked Sendable {
     lock.withLock { sending[inode] = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
     if row.kind == .file {
-      if row.content == .cached && row.size == 0 && !cache.exists(inode) {
-        // An empty file gets its cache file only when something opens it (one that arrived
-        // from the cloud, say): its content is known without one, and no bytes can be lost.
+      if row.content == .cached && cache.cachedContent(inode, size: row.size) == .emptyWithoutFile {
         chunks = []
         try index.clearContentUnsynced(inode, upTo: row.revision)
       } else if row.content == .cached {
@@ -314,7 +312,7 @@ public final class UploadWorker: @unchecked Sendable {
           // The cache file and the index disagree: either a flush landed after the snapshot
           // (the next attempt sees it), or bytes were written without being recorded. The cache
           // file is the content; the index follows it before anything is committed.
-          if let fresh = try index.item(inode), fresh.size != size, !coordinator.isBusy(inode) {
+          if let fresh = try index.item(inode), fresh.size != size, !inodes.isBusy(inode) {
             log.warning("\(row.name): cache file has \(size) bytes, index said \(fresh.size); recording the file")
             try index.recordContentChange(inode, size: size, mtimeNs: nil)
           }
@@ -348,7 +346,7 @@ public final class UploadWorker: @unchecked Sendable {
     var otherSide: CloudItem? = nil
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
-      let applied = try coordinator.withInodeLock(inode) {
+      let applied = try inodes.withInodeLock(inode) {
         // Opened for writing, or saved again, while the merge was committed: the cache file
         // holds bytes newer than the merge and must stay.
         let saved = try index.item(inode).map { $0.size != row.size || $0.mtimeNs != row.mtimeNs } ?? false
@@ -356,7 +354,7 @@ public final class UploadWorker: @unchecked Sendable {
         let author = otherSide.flatMap { $0.chunks == result.chunks ? $0.deviceID : nil }
         let applied = try index.adoptMerged(
           inode, result, localChunks: chunks, keepingPlace: keepingPlace,
-          keepingContent: coordinator.isBusy(inode) || saved, mergedContentAuthor: author)
+          keepingContent: inodes.isBusy(inode) || saved, mergedContentAuthor: author)
         if applied.outcome == .updated(contentChanged: true) {
           cache.remove(inode)
           onContentReplaced(inode)
@@ -399,7 +397,7 @@ public final class UploadWorker: @unchecked Sendable {
         item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
-        if item.chunks != chunks && coordinator.isBusy(inode) { throw Postpone(ns: 500_000_000) }
+        if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }
         ifMatch = current.etag
         otherSide = current
         merged = true
@@ -420,7 +418,8 @@ public final class UploadWorker: @unchecked Sendable {
   /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is
   /// being written (its snapshot would not be consistent).
   func sendContent(_ inode: Int64) async throws -> ([ChunkRef], Int64) {
-    guard let token = coordinator.beginSnapshot(inode) else { throw Postpone(ns: 500_000_000) }
+    guard let token = inodes.beginSnapshot(inode) else { throw Postpone(ns: 500_000_000) }
+    defer { inodes.endSnapshot(inode) }
     let fd = try cache.open(inode, create: false)
     defer { close(fd) }
     // Pass 1: boundaries and hashes.
@@ -432,7 +431,7 @@ public final class UploadWorker: @unchecked Sendable {
       offsets.append(offset)
       offset += ref.length
     }
-    guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
+    guard inodes.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
     // What is uploaded is durable here first: `uploaded` is never shown for bytes a power loss
     // could take from the cache file.
     if fdatasync(fd) != 0 { throw UbiqError.posix(errno, "fdatasync of the cache file") }
@@ -458,7 +457,7 @@ public final class UploadWorker: @unchecked Sendable {
         }
         return true
       }
-      guard ok, Chunker.sha256Hex(data) == ref.hash, coordinator.isSnapshotIntact(inode, token) else {
+      guard ok, Chunker.sha256Hex(data) == ref.hash, inodes.isSnapshotIntact(inode, token) else {
         throw Postpone(ns: 200_000_000)
       }
       await limiter?.acquire(data.count)
@@ -469,7 +468,7 @@ public final class UploadWorker: @unchecked Sendable {
         sending[inode]?.sentBytes += ref.length
       }
     }
-    guard coordinator.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
+    guard inodes.isSnapshotIntact(inode, token) else { throw Postpone(ns: 200_000_000) }
     return (refs, offset)
   }
 }

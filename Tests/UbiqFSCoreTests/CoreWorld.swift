@@ -74,19 +74,19 @@ final class CoreWorld: @unchecked Sendable {
       }
     }
     let cache = try ContentCache(directory: state.appendingPathComponent("content").path)
-    let coordinator = WriteCoordinator()
+    let inodes = InodeTable()
     let core = FilesystemCore(
-      index: index, cache: cache, coordinator: coordinator, container: container, options: MountOptions(),
+      index: index, cache: cache, inodes: inodes, container: container, options: MountOptions(),
       logger: log, onQueued: {})
     try core.recoverUnrecordedWrites()
-    let downloader = Downloader(index: index, cache: cache, cloud: cloud, coordinator: coordinator, logger: log)
+    let downloader = Downloader(index: index, cache: cache, cloud: cloud, inodes: inodes, logger: log)
     downloader.stallTimeoutNs = 5_000_000_000
     core.downloader = downloader
     worker = UploadWorker(
-      index: index, cache: cache, cloud: cloud, coordinator: coordinator, container: container,
+      index: index, cache: cache, cloud: cloud, inodes: inodes, container: container,
       deviceID: try index.deviceID(), logger: log)
     puller = ChangePuller(
-      index: index, cache: cache, cloud: cloud, container: container, coordinator: coordinator, uid: getuid(),
+      index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
     puller.onApplied = { core.remoteChangesApplied($0) }
     puller.onContentReplaced = { core.contentReplaced($0) }

@@ -29,9 +29,9 @@ import UbiqIndex
     return words.withUnsafeBytes { Data($0.prefix(count)) }
   }
 
-  /// Waits (up to 30 s) until `condition` holds.
-  static func waitUntil(_ what: String, _ condition: () throws -> Bool) throws {
-    let deadline = Date().addingTimeInterval(30)
+  /// Waits (up to `seconds`) until `condition` holds.
+  static func waitUntil(_ what: String, within seconds: TimeInterval = 30, _ condition: () throws -> Bool) throws {
+    let deadline = Date().addingTimeInterval(seconds)
     while try !condition() {
       if Date() > deadline { throw UbiqError.busy("timed out waiting until \(what)") }
       usleep(5_000)
@@ -201,6 +201,25 @@ import UbiqIndex
       interruption.interrupt()
       try Self.waitUntil("the writer's open returns") { outcome.get() != nil }
       #expect(outcome.get() == "\(UbiqError.interrupted("waiting for content from the cloud"))")
+    }
+  }
+
+  @Test func aDownloadStoppedWhileItsRequestHangsEndsAtOnce() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try Self.evictedOnB(["evicted": Self.noise(2 << 20, seed: 9)])
+      defer { withExtendedLifetime(a) {} }
+      cloud.chunkReadsHang = true
+      let inode = try b.inode("evicted")!
+      let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      let reader = Thread { _ = try? b.core.prepareRead(h, offset: 0, size: 4096) }
+      reader.start()
+      try Self.waitUntil("a chunk request runs") { b.downloader.activeFetches > 0 }
+      // The truncation supersedes the download: its hanging request is cancelled.
+      _ = try b.core.setattr(inode, AttributeUpdate(size: 0))
+      try Self.waitUntil("the stopped download's request ends", within: 10) { b.downloader.activeFetches == 0 }
+      b.core.release(h)
+      let content = try b.readFile("evicted")
+      if !content.isEmpty { throw UbiqError.io("the truncated file reads \(content.count) bytes") }
     }
   }
 }

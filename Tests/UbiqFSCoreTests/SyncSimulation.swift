@@ -118,9 +118,16 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     set { lock.withLock { chunkReadsFailing = newValue } }
   }
   private var chunkReadsFailing = false
+  /// While set, every chunk download hangs (an hour, or until its task is cancelled).
+  var chunkReadsHang: Bool {
+    get { lock.withLock { chunkReadsHanging } }
+    set { lock.withLock { chunkReadsHanging = newValue } }
+  }
+  private var chunkReadsHanging = false
 
   func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
     if chunkReadsFail { throw CloudError.unavailable("simulated: chunk read lost") }
+    if chunkReadsHang { try await Task.sleep(nanoseconds: 3_600_000_000_000) }
     return try await inner.getChunk(hash: hash, range: range)
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
@@ -819,6 +826,16 @@ final class SyncSimulation {
     return (a, b, hooked)
   }
 
+  /// Two devices exchange everything until both are quiet: each pulls, each uploads, twice.
+  static func settle(_ a: CoreWorld, _ b: CoreWorld) throws {
+    for _ in 0..<2 {
+      try a.pull()
+      try b.pull()
+      try a.drainUploads()
+      try b.drainUploads()
+    }
+  }
+
   /// B merges (its edit wins, A's becomes a conflict version) and deletes f while the merged
   /// version is being committed: A's edit survives on both devices.
   @Test func aFileDeletedWhileItsMergeIsCommittedKeepsTheOtherDevicesEdit() async throws {
@@ -834,12 +851,7 @@ final class SyncSimulation {
       try b.drainUploads()
       hooked.beforeWrite = nil
       try b.drainUploads()
-      for _ in 0..<2 {
-        try a.pull()
-        try b.pull()
-        try a.drainUploads()
-        try b.drainUploads()
-      }
+      try Self.settle(a, b)
       #expect(deleted.get() == "deleted", "the delete ran during the merged commit")
       for w in [a, b] {
         #expect(try Self.holds(w, "f", Data("edit from A\n".utf8)), "A's edit survives")
@@ -865,12 +877,7 @@ final class SyncSimulation {
       #expect(try Self.holds(b, "f", Data("edit from A\n".utf8)), "A's edit is a version on B")
       try b.core.unlink(parent: b.documents, name: "f")
       try b.drainUploads()
-      for _ in 0..<2 {
-        try a.pull()
-        try b.pull()
-        try a.drainUploads()
-        try b.drainUploads()
-      }
+      try Self.settle(a, b)
       for w in [a, b] {
         #expect(try Self.holds(w, "f", Data("edit from A\n".utf8)), "A's edit survives the delete")
       }
@@ -888,12 +895,7 @@ final class SyncSimulation {
       try b.drainUploads()
       try b.core.rename(parent: b.documents, name: "f", newParent: b.documents, newName: "g", flags: [])
       try b.drainUploads()
-      for _ in 0..<2 {
-        try a.pull()
-        try b.pull()
-        try a.drainUploads()
-        try b.drainUploads()
-      }
+      try Self.settle(a, b)
       for w in [a, b] {
         #expect(try Self.holds(w, "g", Data("edit from A\n".utf8)), "A's edit moved with f")
       }

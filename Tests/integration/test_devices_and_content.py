@@ -367,6 +367,52 @@ def test_a_signal_ends_an_open_that_waits_for_a_download(ubiq):
     assert other.read_text() == "usable\nand writable\n"
 
 
+def test_more_waits_for_downloads_than_fuse_threads_leave_the_mount_usable(ubiq):
+    """More opens wait for downloads than the FUSE loop has threads (16). The mount still
+    answers everything else (a listing, a read, a write, a status xattr), and each wait still
+    ends on its own signal: no wait ever holds one of the loop's threads."""
+    ubiq.unmount()
+    ubiq.mount("--download-limit", "1K")
+    files = [ubiq.docs / f"big{i}.bin" for i in range(24)]
+    for f in files:
+        f.write_bytes(os.urandom(4 * 1024 * 1024))
+    other = ubiq.docs / "other.txt"
+    other.write_text("usable\n")
+    ubiq.sync()
+    for f in files:
+        ubiq.run("evict", f)
+    openers = [
+        subprocess.Popen(
+            [sys.executable, "-c", INTERRUPTED_OPEN, str(f)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for f in files
+    ]
+    try:
+        for opener in openers:
+            assert opener.stdout.readline().strip() == "opening"
+        time.sleep(1)  # every open is in its wait now (at 1 KiB/s no file arrives for minutes)
+        # Each check runs in a child with a deadline well under the 15 s stall deadline, after
+        # which waits would end by themselves and free the threads.
+        check = subprocess.run(
+            ["sh", "-c", 'ls "$1" >/dev/null && cat "$2" && echo more >> "$2" && getfattr --only-values -n user.ubiq.downloading "$3"',
+             "sh", str(ubiq.docs), str(other), str(files[0])],
+            capture_output=True, text=True, timeout=8,
+        )
+        assert check.returncode == 0, check.stderr
+        assert check.stdout == "usable\n1", check.stdout
+        for opener in openers:
+            opener.send_signal(signal.SIGUSR1)
+        outcomes = [" ".join(opener.communicate(timeout=8)).strip() for opener in openers]
+    finally:
+        for opener in openers:
+            if opener.poll() is None:
+                opener.kill()
+                opener.wait()
+    assert outcomes == ["interrupted"] * len(files)
+    assert other.read_text() == "usable\nmore\n"
+    assert all(os.stat(f).st_size == 4 * 1024 * 1024 for f in files)
+
+
 # Opens argv[1] for writing; a SIGUSR1 handler raises, which Python lets through only when the
 # open(2) itself returned EINTR.
 INTERRUPTED_OPEN = """

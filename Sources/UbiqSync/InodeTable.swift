@@ -1,0 +1,281 @@
+import Foundation
+import UbiqCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The attributes an unlinked file still answers `getattr` with while a handle holds it open
+/// (its row is gone from the index).
+public struct UnlinkedAttributes: Sendable {
+  public var mode: UInt32
+  public var uid: UInt32
+  public var gid: UInt32
+  public var mtimeNs: Int64
+
+  public init(mode: UInt32, uid: UInt32, gid: UInt32, mtimeNs: Int64) {
+    self.mode = mode
+    self.uid = uid
+    self.gid = gid
+    self.mtimeNs = mtimeNs
+  }
+}
+
+/// Everything the mount keeps in memory about one inode. What is durable (the content state
+/// `dataless`/`cached`, the dirty mark, the upload queue) is in the index; a running download is
+/// the `Downloader`'s `ContentStream`.
+struct InodeState {
+  /// Entries the kernel holds for the inode: each reply that hands it one (lookup, create,
+  /// mkdir, a readdirplus entry) adds one, `forget` takes them back.
+  var lookups: UInt64 = 0
+  /// Open handles and their cache file descriptors.
+  var handles: [UInt64: Int32] = [:]
+  /// Open handles that may write.
+  var writers = 0
+  /// Open handles with writes not yet recorded in the index (flush, fsync, close).
+  var dirtyHandles = 0
+  /// Moves before every write reaches the cache file and at every replacement of the content
+  /// outside a handle (truncate): an upload snapshot taken at one generation is thrown away if
+  /// it moved.
+  var generation: UInt64 = 0
+  /// Upload snapshots in progress: the state stays while one runs, so its generation holds.
+  var snapshots = 0
+  /// The time of the latest write through a handle, not yet recorded (nil: none, or a time was
+  /// set explicitly after it).
+  var pendingMtimeNs: Int64?
+  /// Set when the file was unlinked while open: it lives on until the last close.
+  var unlinked: UnlinkedAttributes?
+  /// Counts replacements of the content that did not pass through the kernel (a remote
+  /// version); a handle remembers the epoch it was opened in.
+  var contentEpoch: UInt64 = 0
+  /// Until this monotonic time, opens make the kernel drop its cached pages (see
+  /// `InodeTable.contentReplaced`).
+  var dropPagesUntil: UInt64?
+
+  /// Nothing refers to the inode any more: the kernel forgot it (and with it its pages), no
+  /// handle is open and no snapshot runs. Its state can go; a later use starts afresh.
+  var isIdle: Bool { lookups == 0 && handles.isEmpty && writers == 0 && dirtyHandles == 0 && snapshots == 0 }
+}
+
+/// The one owner of the mount's per-inode state in memory (`InodeState`): the kernel's lookup
+/// count, open handles, writers and unflushed writes, the write generation that fences upload
+/// snapshots, the pending write time, unlinked-while-open attributes and the page-cache epoch.
+/// A state exists while something refers to the inode and goes when it is idle (forgotten by
+/// the kernel, closed) or the item is gone, so memory follows what is in use, not what was ever
+/// touched.
+///
+/// Also the per-inode lock that orders content transitions (open, truncate, first write, flush,
+/// evict, remote replacement, download completion), striped over 64 locks.
+///
+/// Sendable: `states` and `idleGeneration` are guarded by `lock`; `stripes` are the per-inode
+/// locks themselves. Lock order: an inode lock, then `lock`.
+public final class InodeTable: @unchecked Sendable {
+  private var states: [Int64: InodeState] = [:]
+  private let lock = NSLock()
+  private let stripes = (0..<64).map { _ in NSLock() }
+  /// How long opens drop the kernel's pages after a remote replacement.
+  private let quietNs: UInt64 = 3_000_000_000
+
+  public init() {}
+
+  /// Runs `body` under the inode's lock: content transitions of one inode never interleave.
+  public func withInodeLock<T>(_ inode: Int64, _ body: () throws -> T) rethrows -> T {
+    try stripes[Int(UInt64(bitPattern: inode) % 64)].withLock(body)
+  }
+
+  /// Applies `change` to the inode's state (created if absent) and drops it if it is then idle.
+  private func update<T>(_ inode: Int64, _ change: (inout InodeState) -> T) -> T {
+    lock.withLock {
+      var state = states[inode] ?? InodeState()
+      let result = change(&state)
+      states[inode] = state.isIdle ? nil : state
+      return result
+    }
+  }
+
+  /// Reads the inode's state (a fresh one if absent).
+  private func read<T>(_ inode: Int64, _ body: (InodeState) -> T) -> T {
+    lock.withLock { body(states[inode] ?? InodeState()) }
+  }
+
+  // MARK: - the kernel's references
+
+  /// A reply handed the kernel `count` entries of the inode.
+  public func noteLookup(_ inode: Int64, count: UInt64 = 1) {
+    update(inode) { $0.lookups &+= count }
+  }
+
+  /// The kernel forgot `count` of its entries of the inode (FUSE forget).
+  public func forget(_ inode: Int64, count: UInt64) {
+    update(inode) { $0.lookups -= min($0.lookups, count) }
+  }
+
+  // MARK: - handles
+
+  /// A handle was opened; returns the content epoch it is opened in.
+  public func opened(_ inode: Int64, handle: UInt64, fd: Int32, writable: Bool) -> UInt64 {
+    update(inode) {
+      $0.handles[handle] = fd
+      if writable { $0.writers += 1 }
+      return $0.contentEpoch
+    }
+  }
+
+  /// A handle was closed (its descriptor is closed after this returns, so `openFileState`
+  /// never reads a reused descriptor number). `wasDirty`: it still held writes that could not
+  /// be recorded. Returns the attributes it was unlinked with if this was the last handle of
+  /// an unlinked file (its content can go), else nil.
+  public func closed(_ inode: Int64, handle: UInt64, writable: Bool, wasDirty: Bool) -> UnlinkedAttributes? {
+    update(inode) {
+      guard $0.handles.removeValue(forKey: handle) != nil else { return nil }
+      if writable { $0.writers = max(0, $0.writers - 1) }
+      if wasDirty { $0.dirtyHandles = max(0, $0.dirtyHandles - 1) }
+      guard $0.handles.isEmpty, let unlinked = $0.unlinked else { return nil }
+      $0.unlinked = nil
+      return unlinked
+    }
+  }
+
+  /// True while a handle of the inode is open.
+  public func isOpen(_ inode: Int64) -> Bool { read(inode) { !$0.handles.isEmpty } }
+
+  /// The inodes with open handles.
+  public func openInodes() -> Set<Int64> {
+    lock.withLock { Set(states.compactMap { $0.value.handles.isEmpty ? nil : $0.key }) }
+  }
+
+  /// The size of an open file's cache file and its latest unrecorded write time; nil if it is
+  /// not open. The fstat runs under the table's lock: a handle leaves the table before its
+  /// descriptor is closed, so the descriptor cannot be closed (and its number reused) meanwhile.
+  public func openFileState(_ inode: Int64) -> (size: Int64?, pendingMtimeNs: Int64?)? {
+    lock.withLock {
+      guard let state = states[inode], let fd = state.handles.values.first else { return nil }
+      var st = stat()
+      let size = fstat(fd, &st) == 0 ? Int64(st.st_size) : nil
+      return (size, state.pendingMtimeNs)
+    }
+  }
+
+  /// Marks an open file as unlinked; false if no handle holds it (its content can go now).
+  public func markUnlinked(_ inode: Int64, _ attributes: UnlinkedAttributes) -> Bool {
+    lock.withLock {
+      guard var state = states[inode], !state.handles.isEmpty else { return false }
+      state.unlinked = attributes
+      states[inode] = state
+      return true
+    }
+  }
+
+  /// The attributes of an unlinked file that is still open.
+  public func unlinkedAttributes(_ inode: Int64) -> UnlinkedAttributes? { read(inode) { $0.unlinked } }
+
+  /// The item is gone for good (inodes are never reused) and no handle holds it: its state goes.
+  public func itemGone(_ inode: Int64) {
+    lock.withLock {
+      if states[inode]?.handles.isEmpty ?? true { states[inode] = nil }
+    }
+  }
+
+  // MARK: - writes and upload snapshots
+
+  /// Called before a write through a handle reaches the cache file; `handleWasClean` is true
+  /// for the handle's first write since its last flush.
+  public func beginWrite(_ inode: Int64, handleWasClean: Bool) {
+    update(inode) {
+      $0.generation &+= 1
+      if handleWasClean { $0.dirtyHandles += 1 }
+    }
+  }
+
+  /// A write through a handle ended at `mtimeNs`.
+  public func noteWritten(_ inode: Int64, mtimeNs: Int64) {
+    update(inode) { if !$0.handles.isEmpty { $0.pendingMtimeNs = mtimeNs } }
+  }
+
+  /// Takes the time of the latest unrecorded write (nil: none, or set explicitly since).
+  public func takePendingMtime(_ inode: Int64) -> Int64? {
+    update(inode) { state in
+      defer { state.pendingMtimeNs = nil }
+      return state.pendingMtimeNs
+    }
+  }
+
+  /// A time was set explicitly (or the content replaced): earlier writes' time no longer counts.
+  public func clearPendingMtime(_ inode: Int64) { update(inode) { $0.pendingMtimeNs = nil } }
+
+  /// Open handles of `inode` holding writes not yet recorded in the index.
+  public func dirtyHandleCount(_ inode: Int64) -> Int { read(inode) { $0.dirtyHandles } }
+
+  /// A dirty handle's writes were recorded in the index (flush, fsync).
+  public func noteFlushed(_ inode: Int64) {
+    update(inode) { $0.dirtyHandles = max(0, $0.dirtyHandles - 1) }
+  }
+
+  /// The content was replaced outside any handle (truncate).
+  public func noteReplaced(_ inode: Int64) { update(inode) { $0.generation &+= 1 } }
+
+  /// True while a handle that may write is open, or writes are unflushed.
+  public func isBusy(_ inode: Int64) -> Bool { read(inode) { $0.writers > 0 || $0.dirtyHandles > 0 } }
+
+  /// Starts an upload snapshot: nil while the file has writes not yet closed or fsynced, else
+  /// the generation to check with `isSnapshotIntact`. Every non-nil start is ended with
+  /// `endSnapshot`.
+  public func beginSnapshot(_ inode: Int64) -> UInt64? {
+    update(inode) {
+      guard $0.dirtyHandles == 0 else { return nil }
+      $0.snapshots += 1
+      return $0.generation
+    }
+  }
+
+  /// True if no write happened since `beginSnapshot` returned `token`.
+  public func isSnapshotIntact(_ inode: Int64, _ token: UInt64) -> Bool {
+    read(inode) { $0.dirtyHandles == 0 && $0.generation == token }
+  }
+
+  public func endSnapshot(_ inode: Int64) { update(inode) { $0.snapshots = max(0, $0.snapshots - 1) } }
+
+  // MARK: - the kernel's page cache
+
+  /// The content was replaced behind the kernel's back (a remote version replaced the cached
+  /// bytes), so the page cache must never serve the old bytes.
+  ///
+  /// Invalidating the kernel's pages when the change is applied is not enough: a handle opened
+  /// before the change still reads the old cache file by descriptor (POSIX: it keeps the bytes
+  /// it opened), and such a read fills the shared page cache with old bytes again. So a handle
+  /// remembers the epoch it was opened in; a read through an older handle marks the inode, and
+  /// opens of it ask the kernel to drop its pages (`keep_cache` off) for a few seconds, not just
+  /// the next one, because the order in which the kernel, old handles and new opens act around
+  /// a replacement is not fully under our control. After that quiet period pages are kept again.
+  /// A state the kernel forgot has no pages to drop, so it may go.
+  public func contentReplaced(_ inode: Int64) {
+    let until = Self.now() + quietNs
+    update(inode) {
+      $0.contentEpoch &+= 1
+      if $0.lookups > 0 || !$0.handles.isEmpty { $0.dropPagesUntil = until }
+    }
+  }
+
+  /// A read through a handle opened in `epoch`: if that is old, its bytes may now be in the
+  /// page cache.
+  public func noteRead(_ inode: Int64, openedIn epoch: UInt64) {
+    let until = Self.now() + quietNs
+    update(inode) { if $0.contentEpoch != epoch { $0.dropPagesUntil = until } }
+  }
+
+  /// At open: true if the kernel may keep the pages it has of `inode`.
+  public func mayKeepPages(_ inode: Int64) -> Bool {
+    let now = Self.now()
+    return update(inode) {
+      guard let until = $0.dropPagesUntil else { return true }
+      if now < until { return false }
+      $0.dropPagesUntil = nil
+      return true
+    }
+  }
+
+  private static func now() -> UInt64 { DispatchTime.now().uptimeNanoseconds }
+
+  /// How many inodes have state (for tests and status).
+  public var count: Int { lock.withLock { states.count } }
+}

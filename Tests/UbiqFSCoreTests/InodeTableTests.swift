@@ -1,0 +1,122 @@
+import Foundation
+import Testing
+import UbiqCore
+import UbiqSync
+
+@testable import UbiqFSCore
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The per-inode state in memory (`InodeTable`): it lives exactly as long as something refers to
+/// the inode, and its going never loses what a writer, an upload snapshot or the page cache
+/// relies on.
+@Suite(.serialized) struct InodeTableTests {
+  /// A failed check on a thread of its own (`onOwnThread`), where `#expect` has no test to
+  /// report to: it throws, and the error fails the test.
+  static func check(_ condition: Bool, _ what: String) throws {
+    if !condition { throw UbiqError.io("check failed: \(what)") }
+  }
+
+  @Test func aStateGoesWhenTheKernelForgetsTheInodeAndItsLastHandleCloses() async throws {
+    try await onOwnThread { try Self.stateGoesWhenTheKernelForgetsTheInode() }
+  }
+
+  static func stateGoesWhenTheKernelForgetsTheInode() throws {
+    let w = try CoreWorld()
+    let (a, opened) = try w.core.create(parent: w.documents, name: "f", mode: 0o644, caller: .current)
+    w.core.entriesHanded(a.inode)
+    _ = try Data("hello".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+    w.core.release(opened.handle)
+    try check(w.core.inodes.count == 1, "the kernel still holds an entry")
+    w.core.entriesHanded(a.inode, count: 2)
+    w.core.forget(a.inode, count: 2)
+    try check(w.core.inodes.count == 1, "two entries handed and forgotten, one left")
+    w.core.forget(a.inode, count: 1)
+    try check(w.core.inodes.count == 0, "forgotten and closed")
+    try check(try w.readFile("f") == Data("hello".utf8), "the content")
+    try check(w.core.inodes.count == 0, "a closed handle leaves nothing behind")
+  }
+
+  @Test func manyFilesWrittenAndClosedLeaveNoStateBehind() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      for i in 0..<200 { try w.writeFile("f\(i)", Data("\(i)".utf8)) }
+      try w.drainUploads()
+      try Self.check(w.core.inodes.count == 0, "\(w.core.inodes.count) states left")
+    }
+  }
+
+  @Test func aWriteDuringAnUploadSnapshotIsSeenEvenIfNothingElseHoldsTheInode() {
+    let inodes = InodeTable()
+    guard let token = inodes.beginSnapshot(7) else {
+      Issue.record("no snapshot of a file without writers")
+      return
+    }
+    _ = inodes.opened(7, handle: 1, fd: -1, writable: true)
+    inodes.beginWrite(7, handleWasClean: true)
+    inodes.noteFlushed(7)
+    _ = inodes.closed(7, handle: 1, writable: true, wasDirty: false)
+    #expect(!inodes.isSnapshotIntact(7, token), "the snapshot read bytes a write changed")
+    inodes.endSnapshot(7)
+    #expect(inodes.count == 0)
+    let again = inodes.beginSnapshot(7)
+    #expect(again.map { inodes.isSnapshotIntact(7, $0) } == true)
+    inodes.endSnapshot(7)
+  }
+
+  @Test func aSnapshotWaitsForUnrecordedWrites() {
+    let inodes = InodeTable()
+    _ = inodes.opened(3, handle: 1, fd: -1, writable: true)
+    inodes.beginWrite(3, handleWasClean: true)
+    #expect(inodes.beginSnapshot(3) == nil)
+    #expect(inodes.isBusy(3))
+    inodes.noteFlushed(3)
+    _ = inodes.closed(3, handle: 1, writable: true, wasDirty: false)
+    #expect(!inodes.isBusy(3))
+    #expect(inodes.beginSnapshot(3) != nil)
+    inodes.endSnapshot(3)
+    #expect(inodes.count == 0)
+  }
+
+  @Test func aHandleClosedWithUnrecordedWritesNoLongerHoldsUploadsBack() {
+    let inodes = InodeTable()
+    _ = inodes.opened(3, handle: 1, fd: -1, writable: true)
+    inodes.beginWrite(3, handleWasClean: true)
+    _ = inodes.closed(3, handle: 1, writable: true, wasDirty: true)
+    #expect(!inodes.isBusy(3) && inodes.dirtyHandleCount(3) == 0 && inodes.count == 0)
+  }
+
+  @Test func anUnlinkedFileLivesUntilItsLastHandleCloses() {
+    let inodes = InodeTable()
+    let attributes = UnlinkedAttributes(mode: 0o600, uid: 1, gid: 2, mtimeNs: 3)
+    #expect(!inodes.markUnlinked(9, attributes), "nothing holds it: its content can go at once")
+    _ = inodes.opened(9, handle: 1, fd: -1, writable: false)
+    _ = inodes.opened(9, handle: 2, fd: -1, writable: true)
+    #expect(inodes.markUnlinked(9, attributes))
+    #expect(inodes.unlinkedAttributes(9)?.mtimeNs == 3)
+    #expect(inodes.closed(9, handle: 1, writable: false, wasDirty: false) == nil)
+    #expect(inodes.isOpen(9))
+    #expect(inodes.closed(9, handle: 2, writable: true, wasDirty: false)?.mode == 0o600)
+    #expect(!inodes.isOpen(9) && inodes.count == 0)
+    #expect(inodes.closed(9, handle: 2, writable: true, wasDirty: false) == nil, "a second close is ignored")
+  }
+
+  @Test func pagesAreDroppedAfterARemoteReplacementWhileTheKernelHoldsTheInode() {
+    let inodes = InodeTable()
+    inodes.noteLookup(4)
+    let epoch = inodes.opened(4, handle: 1, fd: -1, writable: false)
+    #expect(inodes.mayKeepPages(4))
+    inodes.contentReplaced(4)
+    #expect(!inodes.mayKeepPages(4), "opens right after a replacement drop the kernel's pages")
+    inodes.noteRead(4, openedIn: epoch)
+    _ = inodes.closed(4, handle: 1, writable: false, wasDirty: false)
+    #expect(!inodes.mayKeepPages(4))
+    inodes.forget(4, count: 1)
+    #expect(inodes.count == 0, "forgotten by the kernel, its pages are gone with it")
+    #expect(inodes.mayKeepPages(4))
+    inodes.forget(4, count: 5)
+    #expect(inodes.count == 0, "a forget past the count is ignored")
+  }
+}
