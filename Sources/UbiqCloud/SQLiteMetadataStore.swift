@@ -168,9 +168,9 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       guard try Self.containerExists(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
-      let current = try Self.record(db, account, container, item.itemID)
-      try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.deleted ? 0 : 1 } ?? 0)
+      let current = try Self.storedRecord(db, account, container, item.itemID)
+      try CommitRule.check(current: current?.item, ifMatch: ifMatch, itemID: item.itemID)
+      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
       if let rule {
         var tree = try Self.treeSnapshot(db, account, container, item)
         tree.addsLiveItem = delta > 0
@@ -186,29 +186,15 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           sql: "UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?",
           arguments: [delta, account, container])
       }
-      let before = try Self.liveRecordBytes(db, account, container, item.itemID)
       let stored = try Self.store(db, account, container, item)
-      try Self.chargeMetadata(db, account, container, item.itemID, before: before)
-      return stored
+      try Self.chargeMetadata(db, account, MetadataCost.charge(before: current, after: stored))
+      return stored.item
     }
   }
 
-  /// The stored size of an item's record if it is live and not free of cost.
-  static func liveRecordBytes(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws
-    -> Int64?
-  {
-    if MetadataCost.free.contains(itemID) { return nil }
-    return try Int64.fetchOne(
-      db, sql: "SELECT length(record) FROM items WHERE account = ? AND container = ? AND itemID = ? AND deleted = 0",
-      arguments: [account, container, itemID])
-  }
-
-  /// Adds what the item's record now costs, against `before` (its live size before the write),
-  /// to the account's metadata bytes; refuses growth past the quota.
-  static func chargeMetadata(
-    _ db: Database, _ account: String, _ container: String, _ itemID: String, before: Int64?
-  ) throws {
-    let charge = MetadataCost.charge(before: before, after: try liveRecordBytes(db, account, container, itemID))
+  /// Adds `charge` (what a commit changed in the cost of the records) to the account's
+  /// metadata bytes; refuses growth past the quota.
+  static func chargeMetadata(_ db: Database, _ account: String, _ charge: Int64) throws {
     if charge > 0 {
       let usage = try usageRow(db, account)
       guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
@@ -247,10 +233,16 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   static func record(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws -> CloudItem? {
+    try storedRecord(db, account, container, itemID)?.item
+  }
+
+  static func storedRecord(_ db: Database, _ account: String, _ container: String, _ itemID: String) throws
+    -> StoredRecord?
+  {
     try Data.fetchOne(
       db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
       arguments: [account, container, itemID]
-    ).map { try decoder.decode(CloudItem.self, from: $0) }
+    ).map { StoredRecord(item: try decoder.decode(CloudItem.self, from: $0), bytes: Int64($0.count)) }
   }
 
   /// The written item's `TreeSnapshot`, inside the commit's transaction.
@@ -285,7 +277,11 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
 
-  static func store(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws -> CloudItem {
+  /// Writes `item` with the container's next change sequence number as its etag; returns the
+  /// record as stored.
+  static func store(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws
+    -> StoredRecord
+  {
     try db.execute(
       sql: "UPDATE containers SET lastSeq = lastSeq + 1 WHERE account = ? AND container = ?",
       arguments: [account, container])
@@ -296,6 +292,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     var record = item
     record.changeSeq = seq
     record.etag = String(seq)
+    let encoded = try encoder.encode(record)
     try db.execute(
       sql: """
         INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)
@@ -305,10 +302,9 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           name = excluded.name
         """,
       arguments: [
-        account, container, record.itemID, seq, record.etag, record.deleted, try encoder.encode(record),
-        record.parentID, record.name,
+        account, container, record.itemID, seq, record.etag, record.deleted, encoded, record.parentID, record.name,
       ])
-    return record
+    return StoredRecord(item: record, bytes: Int64(encoded.count))
   }
 
   public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws

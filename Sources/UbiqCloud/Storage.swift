@@ -105,10 +105,29 @@ public enum MetadataCost {
     return perItem + bytes
   }
 
-  /// What replacing a live record of `before` bytes (nil: none) by one of `after` bytes adds to
-  /// the account's usage (negative: frees).
-  public static func charge(before: Int64?, after: Int64?) -> Int64 {
-    of(storedBytes: after) - of(storedBytes: before)
+  /// The stored bytes that count for `record`: nil (no cost) for no record, a tombstone, or an
+  /// item every container has.
+  public static func countedBytes(of record: StoredRecord?) -> Int64? {
+    guard let record, !record.item.deleted, !free.contains(record.item.itemID) else { return nil }
+    return record.bytes
+  }
+
+  /// What replacing the record `before` (nil: none) by `after` adds to the account's usage
+  /// (negative: frees).
+  public static func charge(before: StoredRecord?, after: StoredRecord?) -> Int64 {
+    of(storedBytes: countedBytes(of: after)) - of(storedBytes: countedBytes(of: before))
+  }
+}
+
+/// An item's record as a store holds it, with the length of its stored JSON (what the record
+/// costs against the quota, `MetadataCost`).
+public struct StoredRecord: Sendable {
+  public var item: CloudItem
+  public var bytes: Int64
+
+  public init(item: CloudItem, bytes: Int64) {
+    self.item = item
+    self.bytes = bytes
   }
 }
 

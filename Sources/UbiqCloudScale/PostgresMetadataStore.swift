@@ -347,14 +347,9 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
             "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container) FOR UPDATE",
             logger: log), Int64.self) != nil
       else { throw CloudError.notFound("container \(container)") }
-      let current = try await Self.first(
-        try await conn.query(
-          """
-          SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(item.itemID)
-          """, logger: log), String.self
-      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
-      try CommitRule.check(current: current, ifMatch: ifMatch, itemID: item.itemID)
-      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.deleted ? 0 : 1 } ?? 0)
+      let current = try await storedRecord(conn, account, container, item.itemID)
+      try CommitRule.check(current: current?.item, ifMatch: ifMatch, itemID: item.itemID)
+      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
       if let rule {
         var tree = try await self.treeSnapshot(conn, account, container, item)
         tree.addsLiveItem = delta > 0
@@ -373,33 +368,15 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           AND container = \(container)
           """, logger: log)
       }
-      let before = try await self.liveRecordBytes(conn, account, container, item.itemID)
       let stored = try await self.store(conn, account, container, item)
-      try await self.chargeMetadata(conn, account, container, item.itemID, before: before)
-      return stored
+      try await self.chargeMetadata(conn, account, MetadataCost.charge(before: current, after: stored))
+      return stored.item
     }
   }
 
-  /// The stored size of an item's record if it is live and not free of cost.
-  func liveRecordBytes(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String)
-    async throws -> Int64?
-  {
-    if MetadataCost.free.contains(itemID) { return nil }
-    return try await Self.first(
-      try await conn.query(
-        """
-        SELECT octet_length(record)::BIGINT FROM items WHERE account = \(account) AND container = \(container)
-          AND item_id = \(itemID) AND NOT deleted
-        """, logger: log), Int64.self)
-  }
-
-  /// Adds what the item's record now costs, against `before` (its live size before the write),
-  /// to the account's metadata bytes; refuses growth past the quota.
-  func chargeMetadata(
-    _ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String, before: Int64?
-  ) async throws {
-    let charge = MetadataCost.charge(
-      before: before, after: try await liveRecordBytes(conn, account, container, itemID))
+  /// Adds `charge` (what a commit changed in the cost of the records) to the account's
+  /// metadata bytes; refuses growth past the quota.
+  func chargeMetadata(_ conn: PostgresConnection, _ account: String, _ charge: Int64) async throws {
     if charge > 0 {
       let usage = try await usageRow(conn, account, lock: true)
       guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
@@ -434,11 +411,19 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   func record(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String) async throws
     -> CloudItem?
   {
+    try await storedRecord(conn, account, container, itemID)?.item
+  }
+
+  func storedRecord(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String)
+    async throws -> StoredRecord?
+  {
     try await Self.first(
       try await conn.query(
         "SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)",
         logger: log), String.self
-    ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+    ).map {
+      StoredRecord(item: try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)), bytes: Int64($0.utf8.count))
+    }
   }
 
   /// The written item's `TreeSnapshot`, inside the commit's transaction.
@@ -478,8 +463,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
 
+  /// Writes `item` with the container's next change sequence number as its etag; returns the
+  /// record as stored.
   func store(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem) async throws
-    -> CloudItem
+    -> StoredRecord
   {
     guard
       let seq = try await Self.first(
@@ -502,7 +489,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         etag = EXCLUDED.etag, deleted = EXCLUDED.deleted, record = EXCLUDED.record, parent_id = EXCLUDED.parent_id,
         name = EXCLUDED.name
       """, logger: log)
-    return record
+    return StoredRecord(item: record, bytes: Int64(json.utf8.count))
   }
 
   public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws

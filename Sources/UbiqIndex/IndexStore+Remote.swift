@@ -63,13 +63,16 @@ extension IndexStore {
       try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE deleteItemID = ?"), arguments: [r.itemID]) == true
     let local = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [r.itemID])
     let view = try local.map { row in
-      RemotePlanner.LocalView(
+      // A record the row has seen (often this device's own upload coming back) is decided by
+      // its etag alone: the lookups below are skipped.
+      let seen = RemotePlanner.hasSeen(r, localEtag: row.etag)
+      return RemotePlanner.LocalView(
         etag: row.etag, isDirectory: row.isDirectory,
         // Changes queued, or written through a handle and not recorded yet.
-        changedHere: try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [row.id!])
-          == true
-          || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [row.id!]) == true,
-        hasChildren: try r.deleted
+        changedHere: try !seen
+          && (Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [row.id!]) == true
+            || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [row.id!]) == true),
+        hasChildren: try !seen && r.deleted
           && Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [row.id!]) == true)
     }
     let decision = RemotePlanner.decide(r, local: view, deleteQueued: deleteQueued)

@@ -47,13 +47,20 @@ public enum RemotePlanner {
   public static func decide(_ record: CloudItem, local: LocalView?, deleteQueued: Bool) -> Decision {
     if deleteQueued { return .holdBack }
     if let local {
-      if local.etag == record.etag { return .alreadyApplied }
-      if let seq = local.etag.flatMap({ Int64($0) }), record.changeSeq < seq { return .alreadyApplied }
+      if hasSeen(record, localEtag: local.etag) { return .alreadyApplied }
       if local.changedHere { return .holdBack }
     }
     guard record.deleted else { return .apply }
     guard let local else { return .alreadyApplied }
     return local.hasChildren ? .keepFolderAndUploadIt : .delete
+  }
+
+  /// True if the local row is at `record`'s version or a newer one (its etag is the record's,
+  /// or a later change sequence): the record changes nothing, whatever else is known.
+  public static func hasSeen(_ record: CloudItem, localEtag: String?) -> Bool {
+    if localEtag == record.etag { return true }
+    if let seq = localEtag.flatMap({ Int64($0) }), record.changeSeq < seq { return true }
+    return false
   }
 
   /// The item that holds, on this device, the name a remote record wants.
