@@ -670,5 +670,11 @@ public final class FilesystemCore: @unchecked Sendable {
 
   /// The kernel forgot `count` of its entries of `inode`; when none is left and no handle is
   /// open, the inode's state in memory goes.
-  public func forget(_ inode: Int64, count: UInt64) { inodes.forget(inode, count: count) }
+  public func forget(_ inode: Int64, count: UInt64) {
+    let unknown = inodes.forget(inode, count: count)
+    if unknown > 0 {
+      // The count keeps an inode's page-cache epoch while the kernel may hold its pages.
+      log.warning("the kernel forgot \(unknown) more entries of inode \(inode) than it was handed")
+    }
+  }
 }

@@ -105,9 +105,15 @@ public final class InodeTable: @unchecked Sendable {
     update(inode) { $0.lookups &+= count }
   }
 
-  /// The kernel forgot `count` of its entries of the inode (FUSE forget).
-  public func forget(_ inode: Int64, count: UInt64) {
-    update(inode) { $0.lookups -= min($0.lookups, count) }
+  /// The kernel forgot `count` of its entries of the inode (FUSE forget). Returns the entries
+  /// it forgot beyond those it was handed: 0 unless a reply that hands one out went uncounted.
+  @discardableResult
+  public func forget(_ inode: Int64, count: UInt64) -> UInt64 {
+    update(inode) {
+      let known = min($0.lookups, count)
+      $0.lookups -= known
+      return count - known
+    }
   }
 
   // MARK: - handles

@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -521,3 +524,26 @@ def test_unicode_and_odd_names(ubiq):
     assert sorted(os.listdir(ubiq.docs)) == sorted(names)
     for n in names:
         assert read_file(ubiq.docs / n) == n.encode()
+
+
+def test_the_kernel_never_forgets_more_entries_than_it_was_handed(ubiq):
+    """Every entry a reply hands the kernel (lookup, create, mkdir, symlink, each readdirplus
+    entry) is counted, so when the kernel drops inodes from its caches and forgets them, it never
+    forgets more than it was handed: the daemon keeps an inode's state (its page-cache epoch)
+    exactly as long as the kernel may hold the inode."""
+    tree = ubiq.docs / "tree"
+    tree.mkdir()
+    for i in range(40):
+        sub = tree / f"dir{i}"
+        sub.mkdir()
+        for j in range(5):
+            (sub / f"f{j}").write_text("x")
+        os.symlink("f0", sub / "link")
+    for _ in range(2):
+        # ls -l lists through readdirplus; dropping the dentry and inode caches sends forgets.
+        subprocess.run(["ls", "-lR", str(tree)], check=True, capture_output=True)
+        os.rename(tree / "dir0", tree / "moved")
+        os.rename(tree / "moved", tree / "dir0")
+        Path("/proc/sys/vm/drop_caches").write_text("2")
+    time.sleep(1)  # the kernel sends forgets in batches, asynchronously
+    assert "than it was handed" not in ubiq.daemon_log()
