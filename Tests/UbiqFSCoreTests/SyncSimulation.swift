@@ -408,6 +408,7 @@ final class SyncSimulation {
   }
 
   /// Drains the device's upload queue; a failed attempt stays queued (its backoff is ignored here).
+  /// An upload that meets a newer cloud version merges it, so the device shows it from then on.
   func upload(_ d: Int) throws {
     let w = devices[d]
     let due = try w.index.dueQueue(now: Int64.max / 2, limit: 64)
@@ -415,6 +416,7 @@ final class SyncSimulation {
       let worker = w.worker!
       _ = try runBlocking { await worker.drain(due) }
     }
+    try observe(d)
   }
 
   func closeAll(_ d: Int) {
@@ -651,6 +653,13 @@ final class SyncSimulation {
     [
       (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 10, 0, 0, 0), (0, 0, 0, 0, 0), (0, 6, 0, 0, 0),
       (1, 8, 0, 0, 0), (1, 12, 0, 0, 0), (1, 6, 0, 0, 0), (1, 11, 0, 0, 0),
+    ],
+    // Device 0 renames g to e while device 1 edits g; device 0's upload meets the edit and
+    // merges it, so e shows device 1's bytes; then device 0 overwrites e, knowingly (found by the
+    // sim soak, seed Ss/CG4vUUdwAmc56oHaePowNeYMvgLvEHwz5ZcTEvgM=, a bookkeeping error of the test).
+    [
+      (1, 0, 1, 0, 0), (1, 6, 0, 0, 0), (0, 8, 0, 0, 0), (1, 0, 1, 0, 0), (0, 5, 1, 3, 0), (1, 6, 0, 0, 0),
+      (0, 6, 0, 0, 0), (0, 0, 3, 0, 0),
     ],
   ]
 
