@@ -101,7 +101,7 @@ public final class Daemon {
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
     worker.onNeedsPull = { puller.wake() }
     puller.onApplied = { fs.remoteChangesApplied($0) }
-    puller.onContentReplaced = { fs.contentReplaced($0) }
+    puller.downloader = downloader
     puller.onRecovered = {
       try? index.retryAllNow()
       worker.kick()
@@ -130,7 +130,8 @@ public final class Daemon {
     }
     fs.uploadPercent = { worker.percent($0) }
     worker.onMerged = { fs.remoteChangesApplied($0) }
-    worker.onContentReplaced = { fs.contentReplaced($0) }
+    worker.downloader = downloader
+    fs.isUploading = { worker.isUploading($0) }
     if uploadLimitBytes > 0 { worker.limiter = RateLimiter(bytesPerSecond: uploadLimitBytes) }
     // Upload progress for `ubiqfs status --watch`, written while something is in flight.
     let progressURL = dir.appendingPathComponent("progress.json")

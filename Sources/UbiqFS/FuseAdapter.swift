@@ -309,19 +309,16 @@ final class FuseAdapter: @unchecked Sendable {
     run(req) {
       let flags = fi?.pointee.flags ?? 0
       let who = caller(req)
-      guard try core.openWaitsForContent(Int64(ino), flags: flags), let fi else {
+      @Sendable func openAndReply(_ req: fuse_req_t?, _ fi: UnsafeMutablePointer<fuse_file_info>?) throws {
         let opened = try interruptible(req) { try core.open(Int64(ino), flags: flags, caller: who, interruption: $0) }
         replyOpen(req, fi, opened)
-        return
       }
+      guard try core.openWaitsForContent(Int64(ino), flags: flags), let fi else { return try openAndReply(req, fi) }
       // libfuse's fuse_file_info lives in this worker's frame: the later reply uses a copy.
       let deferred = DeferredReply(req, fi.pointee)
-      onWaitingThread { [self] in
-        run(deferred.req) {
-          let opened = try interruptible(deferred.req) {
-            try core.open(Int64(ino), flags: flags, caller: who, interruption: $0)
-          }
-          withUnsafeMutablePointer(to: &deferred.info) { replyOpen(deferred.req, $0, opened) }
+      onWaitingThread {
+        self.run(deferred.req) {
+          try withUnsafeMutablePointer(to: &deferred.info) { try openAndReply(deferred.req, $0) }
         }
       }
     }
@@ -346,20 +343,19 @@ final class FuseAdapter: @unchecked Sendable {
 
   func read(_ req: fuse_req_t?, _ size: Int, _ off: off_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    @Sendable func replyRead(_ req: fuse_req_t?, _ fd: Int32) {
+      _ = ubiq_reply_fd(req, fd, size, off)
+      core.didRead(fh)
+    }
     run(req) {
-      if let fd = try core.readableDescriptor(fh, offset: Int64(off), size: size) {
-        _ = ubiq_reply_fd(req, fd, size, off)
-        core.didRead(fh)
-        return
-      }
+      if let fd = try core.readableDescriptor(fh, offset: Int64(off), size: size) { return replyRead(req, fd) }
       let deferred = DeferredReply(req)
-      onWaitingThread { [self] in
-        run(deferred.req) {
-          let fd = try interruptible(deferred.req) {
-            try core.waitForRead(fh, offset: Int64(off), size: size, interruption: $0)
+      onWaitingThread {
+        self.run(deferred.req) {
+          let fd = try self.interruptible(deferred.req) {
+            try self.core.waitForRead(fh, offset: Int64(off), size: size, interruption: $0)
           }
-          _ = ubiq_reply_fd(deferred.req, fd, size, off)
-          core.didRead(fh)
+          replyRead(deferred.req, fd)
         }
       }
     }

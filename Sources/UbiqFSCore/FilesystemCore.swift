@@ -41,6 +41,8 @@ public final class FilesystemCore: @unchecked Sendable {
   var onQueued: () -> Void = {}
   /// Percent uploaded of an item whose upload is in flight.
   public var uploadPercent: (Int64) -> Int? = { _ in nil }
+  /// Whether the uploader is sending an inode's content now (set by the daemon).
+  public var isUploading: (Int64) -> Bool = { _ in false }
   let xattrSnapshots = XattrSnapshots()
   /// Items whose cache files wait for `removeForgottenContent`.
   private var forgotten: [Int64] = []
@@ -166,19 +168,15 @@ public final class FilesystemCore: @unchecked Sendable {
     return attributes(for: try requireRow(inode))
   }
 
-  /// Sets the content of `inode` to its first `size` bytes, outside any handle's writes. Runs
-  /// under the inode lock. The dirty mark goes first, so a crash between the truncation and the
-  /// index update is repaired at the next mount; a download of the previous version stops
-  /// before the truncation, so no old byte lands after it.
+  /// The content transitions, over this core's index, cache, inode table and downloader.
+  var content: FileContent {
+    FileContent(index: index, cache: cache, inodes: inodes, downloads: downloader, logger: log)
+  }
+
+  /// Sets the content of `inode` to its first `size` bytes (`FileContent.truncate`). Runs under
+  /// the inode lock.
   func truncateContent(_ inode: Int64, to size: Int64, through fd: Int32?) throws {
-    try index.markContentDirty(inode)
-    downloader?.supersede(inode)
-    let cacheFD = try fd ?? cache.open(inode, create: true)
-    defer { if fd == nil { close(cacheFD) } }
-    inodes.noteReplaced(inode)
-    if ftruncate(cacheFD, off_t(size)) != 0 { throw UbiqError.posix(errno, "truncate") }
-    try index.recordContentChange(
-      inode, size: size, mtimeNs: Clock.nowNs(), clean: inodes.dirtyHandleCount(inode) == 0)
+    try content.truncate(inode, to: size, through: fd)
     onQueued()
   }
 
@@ -379,13 +377,9 @@ public final class FilesystemCore: @unchecked Sendable {
     if writable {
       let fd = try cache.open(inode, create: true)
       do {
-        // The index may say 0 bytes while another handle has written more, not yet recorded:
-        // the cache file decides.
-        var st = stat()
-        let cachedBytes = fstat(fd, &st) == 0 ? Int64(st.st_size) : -1
-        if current.size != 0 || current.content == .dataless || cachedBytes != 0 {
-          try truncateContent(inode, to: 0, through: fd)
+        if try content.truncateForOpen(current, through: fd) {
           inodes.clearPendingMtime(inode)
+          onQueued()
         }
       } catch {
         close(fd)
@@ -394,7 +388,7 @@ public final class FilesystemCore: @unchecked Sendable {
       return (fd, nil)
     }
     var stream: ContentStream?
-    if try !contentPresent(current) {
+    if try !content.isPresent(current) {
       guard let downloader else { throw UbiqError.io("content of \(current.name) is not downloaded") }
       // Each read waits only for its own range.
       stream = try downloader.openReader(inode)
@@ -407,29 +401,6 @@ public final class FilesystemCore: @unchecked Sendable {
     }
   }
 
-  /// Whether the content of a file is in the cache. A cached row whose cache file is gone (a
-  /// crash, a hand removal) becomes evicted again, to be downloaded, when the cloud has its
-  /// content; when its last changes never reached the cloud the content is lost: EIO, never an
-  /// empty file in its place (that would be uploaded over the cloud's copy).
-  func contentPresent(_ row: ItemRow) throws -> Bool {
-    guard row.content == .cached else { return false }
-    switch cache.cachedContent(row.id!, size: row.size) {
-    case .file:
-      return true
-    case .emptyWithoutFile:
-      close(try cache.open(row.id!, create: true))
-      return true
-    case .missing:
-      break
-    }
-    guard downloader != nil, try index.markContentMissing(row.id!) else {
-      log.error("cache file of \(row.name) is gone and its last changes never reached the cloud")
-      throw UbiqError.io("the local content of \(row.name) is lost")
-    }
-    log.warning("cache file of \(row.name) was missing; downloading it again")
-    return false
-  }
-
   /// Runs `body` under the inode lock with the file's content in the cache (for anything that
   /// is not a file, at once). A download waits outside the lock, so other inodes that share
   /// its stripe go on and the caller can be interrupted; the content is then looked at again
@@ -439,7 +410,7 @@ public final class FilesystemCore: @unchecked Sendable {
       let result = try inodes.withInodeLock(inode) { () throws -> T? in
         let row = try requireRow(inode)
         if row.kind != .file { return try body(row) }
-        return try contentPresent(row) ? try body(row) : nil
+        return try content.isPresent(row) ? try body(row) : nil
       }
       if let result { return result }
       guard let downloader else { throw UbiqError.io("content of inode \(inode) is not downloaded") }
@@ -571,8 +542,7 @@ public final class FilesystemCore: @unchecked Sendable {
         inodes.beginWrite(f.inode, handleWasClean: false)
         return
       }
-      try index.markContentDirty(f.inode)
-      inodes.beginWrite(f.inode, handleWasClean: true)
+      try content.writeBegins(f.inode)
       f.dirty = true
     }
   }
@@ -588,9 +558,8 @@ public final class FilesystemCore: @unchecked Sendable {
       try inodes.withInodeLock(f.inode) {
         // The last dirty handle clears the durable mark in the same transaction.
         let clean = inodes.dirtyHandleCount(f.inode) <= 1
-        try index.recordContentChange(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
+        try content.writesRecorded(f.inode, size: Int64(st.st_size), mtimeNs: mtime, clean: clean)
         f.dirty = false
-        inodes.noteFlushed(f.inode)
       }
       return true
     }
@@ -608,7 +577,7 @@ public final class FilesystemCore: @unchecked Sendable {
     let revision = try index.item(f.inode)?.revision
     if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
     try cache.syncDirectory()
-    if let revision { try index.clearContentUnsynced(f.inode, upTo: revision) }
+    if let revision { try content.bytesDurable(f.inode, upTo: revision) }
     try index.makeDurable()
     try removeForgottenContent(makeDurable: false)
   }

@@ -14,7 +14,8 @@ struct XattrSurface {
   /// Read-only status attributes. Writes to them are accepted and ignored, so that `cp -a` and
   /// `rsync -X` between two places in the mount keep working.
   static let statusNames = [
-    "status", "downloading", "uploading", "uploaded", "percent_downloaded", "percent_uploaded", "download_error",
+    "status", "content_state", "downloading", "uploading", "uploaded", "percent_downloaded", "percent_uploaded",
+    "download_error",
     "upload_error", "conflicts", "etag", "item_id", "container", "pinned", "excluded",
   ]
 
@@ -29,6 +30,8 @@ struct XattrSurface {
     case "status":
       if row.kind == .file && row.content == .dataless { return "not_downloaded" }
       return "current"
+    case "content_state":
+      return try fs.content.state(of: row, uploading: fs.isUploading(row.id!)).description
     case "downloading": return fs.downloader?.isDownloading(row.id!) == true ? "1" : "0"
     case "percent_downloaded":
       guard row.kind == .file, row.content == .dataless else { return "100" }

@@ -25,8 +25,12 @@ public final class ChangePuller: @unchecked Sendable {
   public var onApplied: ([RemoteApplyResult]) -> Void = { _ in }
   /// Called when a pull succeeds after failures (the cloud came back).
   public var onRecovered: () -> Void = {}
-  /// Called under the inode lock when a remote version replaced an item's cached content.
-  public var onContentReplaced: (Int64) -> Void = { _ in }
+  /// Running downloads: a remote version replacing a file's content detaches its download.
+  public var downloader: Downloader?
+  /// The content transitions, over this puller's index, cache, inode table and downloader.
+  var content: FileContent {
+    FileContent(index: index, cache: cache, inodes: inodes, downloads: downloader, logger: log)
+  }
   private var task: Task<Void, Never>?
   private let lock = NSLock()
   private var stopped = false
@@ -153,10 +157,7 @@ public final class ChangePuller: @unchecked Sendable {
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
       // old bytes through their descriptors.
-      if result.outcome == .updated(contentChanged: true) {
-        cache.remove(inode)
-        onContentReplaced(inode)
-      }
+      if result.outcome == .updated(contentChanged: true) { content.remoteVersionReplaced(inode) }
       return result
     }
   }

@@ -415,6 +415,9 @@ public final class Downloader: @unchecked Sendable {
     self.log = logger
   }
 
+  /// The content transitions, over this downloader's index, cache and inode table.
+  var content: FileContent { FileContent(index: index, cache: cache, inodes: inodes, downloads: self, logger: log) }
+
   /// The last download error of an inode, if its last download failed.
   public func lastError(_ inode: Int64) -> String? { lock.withLock { failures[inode] } }
   public func isDownloading(_ inode: Int64) -> Bool { lock.withLock { streams[inode] != nil } }
@@ -574,7 +577,7 @@ public final class Downloader: @unchecked Sendable {
       // index now points at.
       let ok = inodes.withInodeLock(s.inode) { () -> Bool in
         guard lock.withLock({ streams[s.inode] === s }) else { return false }
-        let marked = (try? index.markCached(s.inode, manifest: s.manifest)) ?? false
+        let marked = content.downloadCompleted(s.inode, manifest: s.manifest)
         lock.withLock { streams[s.inode] = nil }
         return marked
       }

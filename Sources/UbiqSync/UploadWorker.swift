@@ -34,8 +34,12 @@ public final class UploadWorker: @unchecked Sendable {
   public private(set) var bytesSent: Int64 = 0
   /// Called after a merged version was committed and applied to the index.
   public var onMerged: ([RemoteApplyResult]) -> Void = { _ in }
-  /// Called under the inode lock when a merged version replaced an item's cached content.
-  public var onContentReplaced: (Int64) -> Void = { _ in }
+  /// Running downloads: a merged version replacing a file's content detaches its download.
+  public var downloader: Downloader?
+  /// The content transitions, over this worker's index, cache, inode table and downloader.
+  var content: FileContent {
+    FileContent(index: index, cache: cache, inodes: inodes, downloads: downloader, logger: log)
+  }
   /// Called when the cloud refused a change that only a pull can settle: a delete of an item
   /// changed elsewhere, a move into a folder that moved meanwhile.
   public var onNeedsPull: () -> Void = {}
@@ -43,6 +47,8 @@ public final class UploadWorker: @unchecked Sendable {
   public var limiter: RateLimiter?
   /// Uploads whose content is being sent, by inode.
   private var sending: [Int64: UploadProgress] = [:]
+  /// Items whose version is being committed.
+  private var committing: Set<Int64> = []
   /// How many queue entries have their content prepared (chunked, missing chunks sent) at once.
   /// Commits still happen one at a time in queue order, so a parent always reaches the cloud
   /// before its children and a rename before a create that reuses the old name.
@@ -50,6 +56,12 @@ public final class UploadWorker: @unchecked Sendable {
 
   /// Progress of the uploads in flight (empty when idle), by path.
   public var inFlight: [UploadProgress] { lock.withLock { sending.values.sorted { $0.path < $1.path } } }
+
+  /// Whether an upload of `inode` is in flight now: its content read and sent, or its version
+  /// committed.
+  public func isUploading(_ inode: Int64) -> Bool {
+    lock.withLock { sending[inode] != nil || committing.contains(inode) }
+  }
 
   /// Percent uploaded of `inode` if its upload is in flight.
   public func percent(_ inode: Int64) -> Int? {
@@ -179,6 +191,8 @@ public final class UploadWorker: @unchecked Sendable {
           p = try await prepare(inode)
         }
         if let p {
+          lock.withLock { _ = committing.insert(inode) }
+          defer { lock.withLock { _ = committing.remove(inode) } }
           try await commit(entry, inode, p)
         } else {
           try index.markDone(seq: entry.seq)
@@ -305,22 +319,19 @@ public final class UploadWorker: @unchecked Sendable {
     if row.kind == .file {
       if row.content == .cached && cache.cachedContent(inode, size: row.size) == .emptyWithoutFile {
         chunks = []
-        try index.clearContentUnsynced(inode, upTo: row.revision)
+        try content.bytesDurable(inode, upTo: row.revision)
       } else if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
         if size != row.size {
           // The cache file and the index disagree: either a flush landed after the snapshot
           // (the next attempt sees it), or bytes were written without being recorded. The cache
           // file is the content; the index follows it before anything is committed.
-          if let fresh = try index.item(inode), fresh.size != size, !inodes.isBusy(inode) {
-            log.warning("\(row.name): cache file has \(size) bytes, index said \(fresh.size); recording the file")
-            try index.recordContentChange(inode, size: size, mtimeNs: nil)
-          }
+          try content.cacheFileDisagrees(inode, size: size)
           throw Postpone(ns: 50_000_000)
         }
         // The cache file was fdatasync'ed after this revision was recorded.
         try cache.syncDirectory()
-        try index.clearContentUnsynced(inode, upTo: row.revision)
+        try content.bytesDurable(inode, upTo: row.revision)
       } else {
         chunks = row.chunkList
       }
@@ -355,10 +366,7 @@ public final class UploadWorker: @unchecked Sendable {
         let applied = try index.adoptMerged(
           inode, result, localChunks: chunks, keepingPlace: keepingPlace,
           keepingContent: inodes.isBusy(inode) || saved, mergedContentAuthor: author)
-        if applied.outcome == .updated(contentChanged: true) {
-          cache.remove(inode)
-          onContentReplaced(inode)
-        }
+        if applied.outcome == .updated(contentChanged: true) { content.remoteVersionReplaced(inode) }
         return applied
       }
       onMerged([applied])

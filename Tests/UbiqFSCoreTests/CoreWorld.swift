@@ -89,7 +89,9 @@ final class CoreWorld: @unchecked Sendable {
       index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
     puller.onApplied = { core.remoteChangesApplied($0) }
-    puller.onContentReplaced = { core.contentReplaced($0) }
+    puller.downloader = downloader
+    worker.downloader = downloader
+    core.isUploading = { [worker] in worker?.isUploading($0) ?? false }
     self.index = index
     self.core = core
     self.downloader = downloader

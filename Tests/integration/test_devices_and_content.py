@@ -496,3 +496,43 @@ def test_partial_read_of_evicted_file_streams(ubiq):
     ubiq.run("download", f)
     assert Ubiq.xattr(f, "user.ubiq.status") == "current"
     assert sha256_file(f) == sha256(data)
+
+
+def test_content_state_xattr_follows_a_file_through_its_states(ubiq):
+    """`user.ubiq.content_state` on the real mount: dirty while a writer holds bytes not yet
+    uploaded, uploading while they are sent, cached once the cloud has them, dataless when
+    evicted, downloading while a reader streams it (and dataless again when the reader leaves
+    early), error while its upload is refused (the bytes stay readable), cached after the retry."""
+    ubiq.unmount()
+    ubiq.mount("--upload-delay-ms", "100", "--download-limit", "64K", "--upload-limit", "512K")
+    f = ubiq.docs / "states.bin"
+
+    def state() -> str:
+        return Ubiq.xattr(f, "user.ubiq.content_state")
+
+    data = os.urandom(3 * 1024 * 1024)
+    with open(f, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        assert state() == "dirty"
+    # 3 MiB at 512 KiB/s: about 6 s of sending.
+    wait_for(lambda: state() == "uploading", timeout=10, what="the upload to start")
+    ubiq.sync(f, timeout=60)
+    assert state() == "cached"
+    ubiq.run("evict", f)
+    assert state() == "dataless"
+    with open(f, "rb") as fh:
+        # 64 KiB/s: the read-ahead keeps the download running for far longer than this test.
+        assert fh.read(10) == data[:10]
+        assert state() == "downloading"
+    wait_for(lambda: state() == "dataless", what="the early reader's download to stop")
+    ubiq.set_quota(1024)
+    new = os.urandom(512 * 1024)
+    f.write_bytes(new)
+    wait_for(lambda: state() == "error", timeout=15, what="the refused upload")
+    assert "EDQUOT" in Ubiq.xattr(f, "user.ubiq.upload_error")
+    assert sha256_file(f) == sha256(new)
+    ubiq.set_quota(0)
+    ubiq.sync(f, timeout=60)
+    assert state() == "cached"
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(new)

@@ -1,0 +1,99 @@
+import Foundation
+import Testing
+import UbiqCloud
+import UbiqCloudAPI
+import UbiqCore
+import UbiqIndex
+
+@testable import UbiqFSCore
+@testable import UbiqSync
+
+#if canImport(Glibc)
+  import Glibc
+#endif
+
+/// The content state machine of a file (`FileContent`): each transition the core and the sync
+/// layer make moves the state shown in `user.ubiq.content_state` as the diagram says.
+@Suite(.serialized) struct FileContentTests {
+  /// A failed check on a thread of its own (`onOwnThread`) throws, which fails the test.
+  static func check(_ condition: Bool, _ what: String) throws {
+    if !condition { throw UbiqError.io("check failed: \(what)") }
+  }
+
+  static func state(_ w: CoreWorld, _ inode: Int64) throws -> String {
+    guard case .value(let v) = try w.core.getxattr(inode, name: "user.ubiq.content_state", size: 4096) else {
+      throw UbiqError.io("no value")
+    }
+    return String(decoding: v, as: UTF8.self)
+  }
+
+  @Test func aFileGoesThroughEveryStateOfItsLifecycle() async throws {
+    try await onOwnThread { try Self.lifecycle() }
+  }
+
+  static func lifecycle() throws {
+    let link = FlakyCloud(
+      try CloudEngine.embedded(
+        directory: URL(fileURLWithPath: NSTemporaryDirectory())
+          .appendingPathComponent("fc-\(UUID().uuidString)")))
+    let w = try CoreWorld(cloud: link)
+    // create + write: dirty while a handle holds unrecorded writes, still dirty once queued.
+    let (a, opened) = try w.core.create(parent: w.documents, name: "f", mode: 0o644, caller: Caller.current)
+    let f = a.inode
+    _ = try Data(repeating: 7, count: 100_000).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+    try check(try state(w, f) == "dirty", "written, not flushed: \(try state(w, f))")
+    w.core.release(opened.handle)
+    try check(try state(w, f) == "dirty", "recorded and queued: \(try state(w, f))")
+    // uploading while the uploader reads and sends it.
+    var seenWhileSending = ""
+    link.beforeWrite = { (_: Int) in seenWhileSending = try state(w, f) }
+    try w.drainUploads()
+    link.beforeWrite = nil
+    try check(seenWhileSending == "uploading", "while its upload is sent: \(seenWhileSending)")
+    try check(try state(w, f) == "cached", "uploaded: \(try state(w, f))")
+    // evict: dataless; a reader's open starts a download; reading it all completes it.
+    try w.core.evict(f)
+    try check(try state(w, f) == "dataless", "evicted: \(try state(w, f))")
+    let reader = try w.core.open(f, flags: O_RDONLY, caller: Caller.current).handle
+    try check(try state(w, f) == "downloading", "a reader opened it: \(try state(w, f))")
+    _ = try w.core.read(reader, offset: 0, size: 100_000)
+    w.core.release(reader)
+    try w.core.download(f)
+    try check(try state(w, f) == "cached", "downloaded: \(try state(w, f))")
+    // An upload that fails: error, with the bytes kept and the entry queued.
+    let h = try w.core.open(f, flags: O_WRONLY | O_TRUNC, caller: Caller.current).handle
+    _ = try Data("new".utf8).withUnsafeBytes { try w.core.write(h, $0, offset: 0) }
+    w.core.release(h)
+    link.beforeWrite = { (_: Int) in throw CloudError.unavailable("test: the cloud is down") }
+    try w.drainUploadsOnce()
+    link.beforeWrite = nil
+    try check(try state(w, f) == "error", "a failed upload: \(try state(w, f))")
+    try check(try w.readFile("f") == Data("new".utf8), "the bytes stay")
+    try w.drainUploads()
+    try check(try state(w, f) == "cached", "retried: \(try state(w, f))")
+  }
+
+  /// A remote version replaces cached content: the file is dataless again, its cache file is
+  /// gone, and the next read gets the new bytes.
+  @Test func aRemoteVersionMakesCachedContentDataless() async throws {
+    try await onOwnThread { try Self.remoteVersion() }
+  }
+
+  static func remoteVersion() throws {
+    do {
+      let (a, b, _) = try CoreWorld.pair()
+      try a.writeFile("g", Data("one".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let g = try b.inode("g")!
+      try b.core.download(g)
+      try check(try state(b, g) == "cached", "downloaded on b: \(try state(b, g))")
+      try a.writeFile("g", Data("two!".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try check(try state(b, g) == "dataless", "replaced remotely: \(try state(b, g))")
+      try check(b.core.cache.cachedContent(g, size: 4) == .missing, "the old cache file is gone")
+      try check(try b.readFile("g") == Data("two!".utf8), "the new version is read")
+    }
+  }
+}
