@@ -97,11 +97,11 @@ public final class Daemon {
     let puller = ChangePuller(
       index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
+    puller.downloader = downloader
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
     worker.onNeedsPull = { puller.wake() }
     puller.onApplied = { fs.remoteChangesApplied($0) }
-    puller.downloader = downloader
     puller.onRecovered = {
       try? index.retryAllNow()
       worker.kick()

@@ -535,6 +535,19 @@ public final class Downloader: @unchecked Sendable {
     throw UbiqError.busy("the item keeps changing; try again")
   }
 
+  /// Starts downloading the whole content of `inode` without waiting for it (a pinned file's
+  /// new version). Runs under the inode lock. A failure shows in `lastError`; the next open
+  /// or `download` tries again.
+  public func fetchWholeFile(_ inode: Int64) {
+    do {
+      guard let s = try stream(inode) else { return }
+      s.requestWholeFile()
+      schedule(s)
+    } catch {
+      log.warning("download of inode \(inode) could not start: \(error)")
+    }
+  }
+
   /// Starts the fetches `s` can run now, or ends it when nothing more will arrive.
   private func schedule(_ s: ContentStream) {
     for i in s.startableChunks(parallelism: parallelism) {

@@ -201,11 +201,15 @@ public struct FileContent: Sendable {
   /// lock. The old cache file goes now, so an open after this downloads the new version; a
   /// download of the old version leaves the download table (its readers finish with the old
   /// bytes through their descriptors); pages the kernel cached of the old bytes are dropped at
-  /// the next open or read (`InodeTable.contentReplaced`).
+  /// the next open or read (`InodeTable.contentReplaced`). A pinned file ("download and keep")
+  /// goes on to downloading: its new version is fetched at once, so it stays available offline.
   public func remoteVersionReplaced(_ inode: Int64) {
     cache.remove(inode)
     downloads?.detach(inode)
     inodes.contentReplaced(inode)
+    if let row = try? index.item(inode), row.pinned, row.content == .dataless {
+      downloads?.fetchWholeFile(inode)
+    }
   }
 
   /// The cache file of `inode` was fdatasync'ed after `revision` was recorded (an fsync, or

@@ -96,4 +96,27 @@ import UbiqIndex
       try check(try b.readFile("g") == Data("two!".utf8), "the new version is read")
     }
   }
+
+  /// A pinned file ("download and keep") changed on another device: the new version is
+  /// downloaded too, so the file stays available offline.
+  @Test func aPinnedFileChangedRemotelyIsDownloadedAgain() async throws {
+    try await onOwnThread { try Self.pinnedRemoteVersion() }
+  }
+
+  static func pinnedRemoteVersion() throws {
+    let (a, b, _) = try CoreWorld.pair()
+    try a.writeFile("p", Data(repeating: 1, count: 50_000))
+    try a.drainUploads()
+    try b.pull()
+    let p = try b.inode("p")!
+    try b.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
+    try check(try state(b, p) == "cached", "pinned: \(try state(b, p))")
+    try a.writeFile("p", Data(repeating: 2, count: 60_000))
+    try a.drainUploads()
+    try b.pull()
+    let deadline = Date().addingTimeInterval(10)
+    while try state(b, p) != "cached" && Date() < deadline { usleep(10_000) }
+    try check(try state(b, p) == "cached", "the new version of a pinned file: \(try state(b, p))")
+    try check(try b.core.getattr(p).blocks > 0, "its blocks are here")
+  }
 }

@@ -536,3 +536,24 @@ def test_content_state_xattr_follows_a_file_through_its_states(ubiq):
     ubiq.sync(f, timeout=60)
     assert state() == "cached"
     assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(new)
+
+
+def test_a_pinned_file_changed_on_another_device_is_downloaded_again(ubiq, device2):
+    """`ubiqfs pin` keeps a file available offline: a new version written on another device is
+    downloaded at once, without anyone reading it."""
+    f1 = ubiq.docs / "kept.bin"
+    f1.write_bytes(os.urandom(300_000))
+    ubiq.sync()
+    f2 = device2.docs / "kept.bin"
+    wait_for(lambda: f2.exists() and f2.stat().st_size == 300_000, timeout=15, what="the file on device 2")
+    device2.run("pin", f2)
+    assert Ubiq.xattr(f2, "user.ubiq.content_state") == "cached"
+    new = os.urandom(400_000)
+    f1.write_bytes(new)
+    ubiq.sync()
+    wait_for(lambda: f2.stat().st_size == 400_000, timeout=15, what="the new version's size on device 2")
+    wait_for(lambda: Ubiq.xattr(f2, "user.ubiq.content_state") == "cached", timeout=15,
+             what="the new version downloaded on device 2")
+    assert f2.stat().st_blocks > 0
+    assert Ubiq.xattr(f2, "user.ubiq.pinned") == "1"
+    assert sha256_file(f2) == sha256(new)
