@@ -116,7 +116,7 @@ public final class FilesystemCore: @unchecked Sendable {
   public func getattr(_ inode: Int64) throws -> FileAttributes {
     if let row = try index.item(inode) { return attributes(for: row) }
     // An open file that was unlinked.
-    if let o = inodes.unlinkedAttributes(inode), let live = inodes.openFileState(inode) {
+    if let o = inodes.unlinkedAttributes(inode), let live = inodes.openFileState(inode, anyHandle: true) {
       let size = live.size ?? 0
       let mtime = live.pendingMtimeNs ?? o.mtimeNs
       return FileAttributes(

@@ -28,8 +28,8 @@ struct InodeState {
   /// Entries the kernel holds for the inode: each reply that hands it one (lookup, create,
   /// mkdir, a readdirplus entry) adds one, `forget` takes them back.
   var lookups: UInt64 = 0
-  /// Open handles and their cache file descriptors.
-  var handles: [UInt64: Int32] = [:]
+  /// Open handles: their cache file descriptors and whether they may write.
+  var handles: [UInt64: (fd: Int32, writable: Bool)] = [:]
   /// Open handles that may write.
   var writers = 0
   /// Open handles with writes not yet recorded in the index (flush, fsync, close).
@@ -121,7 +121,7 @@ public final class InodeTable: @unchecked Sendable {
   /// A handle was opened; returns the content epoch it is opened in.
   public func opened(_ inode: Int64, handle: UInt64, fd: Int32, writable: Bool) -> UInt64 {
     update(inode) {
-      $0.handles[handle] = fd
+      $0.handles[handle] = (fd, writable)
       if writable { $0.writers += 1 }
       return $0.contentEpoch
     }
@@ -150,14 +150,20 @@ public final class InodeTable: @unchecked Sendable {
     lock.withLock { Set(states.compactMap { $0.value.handles.isEmpty ? nil : $0.key }) }
   }
 
-  /// The size of an open file's cache file and its latest unrecorded write time; nil if it is
-  /// not open. The fstat runs under the table's lock: a handle leaves the table before its
-  /// descriptor is closed, so the descriptor cannot be closed (and its number reused) meanwhile.
-  public func openFileState(_ inode: Int64) -> (size: Int64?, pendingMtimeNs: Int64?)? {
+  /// The size of an open file's content and its latest unrecorded write time; nil if it is
+  /// not open. The size is the cache file's as a writer's descriptor sees it (writes not yet
+  /// recorded count), nil with no writer (the index's is right then). Readers do not count:
+  /// one may hold an older cache file (a download superseded since, a version replaced
+  /// remotely), whose size is not the file's. `anyHandle`: with no writer, a reader's
+  /// descriptor answers (an unlinked file, which has no index row). The fstat runs under the
+  /// table's lock: a handle leaves the table before its descriptor is closed, so the
+  /// descriptor cannot be closed (and its number reused) meanwhile.
+  public func openFileState(_ inode: Int64, anyHandle: Bool = false) -> (size: Int64?, pendingMtimeNs: Int64?)? {
     lock.withLock {
-      guard let state = states[inode], let fd = state.handles.values.first else { return nil }
+      guard let state = states[inode], !state.handles.isEmpty else { return nil }
+      let fd = (state.handles.values.first { $0.writable } ?? (anyHandle ? state.handles.values.first : nil))?.fd
       var st = stat()
-      let size = fstat(fd, &st) == 0 ? Int64(st.st_size) : nil
+      let size = fd.flatMap { fstat($0, &st) == 0 ? Int64(st.st_size) : nil }
       return (size, state.pendingMtimeNs)
     }
   }

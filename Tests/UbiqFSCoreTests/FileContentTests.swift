@@ -119,4 +119,27 @@ import UbiqIndex
     try check(try state(b, p) == "cached", "the new version of a pinned file: \(try state(b, p))")
     try check(try b.core.getattr(p).blocks > 0, "its blocks are here")
   }
+
+  /// A reader keeps the old version's bytes through its descriptor when another device's
+  /// version replaces them; the file's size is the new version's, for `ls -l` and for the
+  /// kernel, which reads no further than the size it was told (found by the model test).
+  @Test func aReaderOfTheReplacedVersionDoesNotDecideTheFilesSize() async throws {
+    try await onOwnThread { try Self.readerOfReplacedVersion() }
+  }
+
+  static func readerOfReplacedVersion() throws {
+    let (a, b, _) = try CoreWorld.pair()
+    let f = try a.writeFile("f", Data("x".utf8))
+    try a.drainUploads()
+    let reader = try a.core.open(f, flags: O_RDONLY, caller: Caller.current).handle
+    defer { a.core.release(reader) }
+    try b.pull()
+    try b.writeFile("f", Data("the new version\n".utf8))
+    try b.drainUploads()
+    try a.pull()
+    try check(
+      try a.core.getattr(f).size == 16, "size with the old version's reader open: \(try a.core.getattr(f).size)")
+    try check(try a.readFile("f") == Data("the new version\n".utf8), "a new open reads the new version")
+    try check(try a.core.read(reader, offset: 0, size: 100) == Data("x".utf8), "the reader keeps the old bytes")
+  }
 }

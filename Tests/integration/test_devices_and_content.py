@@ -557,3 +557,21 @@ def test_a_pinned_file_changed_on_another_device_is_downloaded_again(ubiq, devic
     assert f2.stat().st_blocks > 0
     assert Ubiq.xattr(f2, "user.ubiq.pinned") == "1"
     assert sha256_file(f2) == sha256(new)
+
+
+def test_a_new_version_from_another_device_shows_its_size_while_a_reader_holds_the_old_one(ubiq, device2):
+    """`less f` on this device keeps the old version open while another device saves a longer
+    one: `stat` and a new `cat` show the new version whole (a reader's descriptor of the old
+    bytes must not decide the size the kernel reads up to)."""
+    f1 = ubiq.docs / "notes.txt"
+    f1.write_text("old\n")
+    ubiq.sync()
+    f2 = device2.docs / "notes.txt"
+    wait_for(lambda: f2.exists() and f2.read_text() == "old\n", timeout=15, what="the file on device 2")
+    new = "a much longer new version\n" * 10
+    with open(f1, "rb") as reader:
+        assert reader.read() == b"old\n"
+        f2.write_text(new)
+        device2.sync()
+        wait_for(lambda: f1.stat().st_size == len(new), timeout=15, what="the new version's size on device 1")
+        assert f1.read_text() == new
