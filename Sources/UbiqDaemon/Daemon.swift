@@ -100,6 +100,7 @@ public final class Daemon {
     puller.downloader = downloader
     // Initial sync: the tree is complete before the kernel sees it.
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
+    fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
     puller.onApplied = { fs.remoteChangesApplied($0) }
     puller.onRecovered = {

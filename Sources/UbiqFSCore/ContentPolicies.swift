@@ -79,6 +79,16 @@ extension FilesystemCore {
   @discardableResult
   public func recoverUnrecordedWrites() throws -> Int { try content.recoverAfterUncleanStop() }
 
+  /// Starts the downloads of pinned files whose content is not here
+  /// (`FileContent.fetchPinnedFiles`). Runs when the mount starts, after the first pull.
+  public func fetchPinnedFiles() {
+    do {
+      try content.fetchPinnedFiles()
+    } catch {
+      log.warning("pinned files could not be fetched: \(error)")
+    }
+  }
+
   /// `user.ubiq.action`: download | evict.
   func perform(action: String, on row: ItemRow) throws {
     switch action {

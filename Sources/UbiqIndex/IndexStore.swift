@@ -111,6 +111,11 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v10-delete-keeps-versions") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteKeepsVersions INTEGER NOT NULL DEFAULT 0")
     }
+    // Pinned files, found at mount without reading every row (a pinned file left dataless by
+    // a crash is fetched again).
+    m.registerMigration("v11-pinned") { db in
+      try db.execute(sql: "CREATE INDEX items_pinned ON items(id) WHERE pinned = 1")
+    }
     return m
   }
 
@@ -778,6 +783,14 @@ public final class IndexStore: @unchecked Sendable {
       let after = try Self.isLocalOnly(db, inode)
       if before && !after { try self.enqueueSubtree(db, inode) }
       if !before && after { try self.detachSubtree(db, inode) }
+    }
+  }
+
+  /// Pinned files whose content is not here (a crash stopped their download).
+  public func pinnedDatalessFiles() throws -> [Int64] {
+    try pool.read { db in
+      try Int64.fetchAll(
+        db, sql: "SELECT id FROM items INDEXED BY items_pinned WHERE pinned = 1 AND kind = 1 AND content = 0")
     }
   }
 

@@ -76,21 +76,26 @@ public struct FileContent: Sendable {
 
   // MARK: - the state
 
-  /// The content state of `row`. `uploading`: the uploader is sending this item now.
+  /// The content state of `row`'s file, read under its inode lock (so a transition running on
+  /// another thread, such as a download completing, is seen wholly before or wholly after).
+  /// `uploading`: the uploader is working on this item now.
   public func state(of row: ItemRow, uploading: Bool) throws -> FileContentState {
     guard row.kind == .file, let inode = row.id else { return .cached }
-    if inodes.isBusy(inode) { return .dirty }
-    if let entry = try index.queueEntry(forInode: inode) {
-      if uploading { return .uploading }
-      if let e = entry.lastError { return .error(e) }
-      return .dirty
+    return try inodes.withInodeLock(inode) {
+      let row = try index.item(inode) ?? row
+      if inodes.dirtyHandleCount(inode) > 0 { return .dirty }
+      if let entry = try index.queueEntry(forInode: inode) {
+        if uploading { return .uploading }
+        if let e = entry.lastError { return .error(e) }
+        return .dirty
+      }
+      if row.content == .dataless {
+        if downloads?.isDownloading(inode) == true { return .downloading }
+        if let e = downloads?.lastError(inode) { return .error(e) }
+        return .dataless
+      }
+      return .cached
     }
-    if row.content == .dataless {
-      if downloads?.isDownloading(inode) == true { return .downloading }
-      if let e = downloads?.lastError(inode) { return .error(e) }
-      return .dataless
-    }
-    return .cached
   }
 
   // MARK: - local writes
@@ -209,6 +214,15 @@ public struct FileContent: Sendable {
     inodes.contentReplaced(inode)
     if let row = try? index.item(inode), row.pinned, row.content == .dataless {
       downloads?.fetchWholeFile(inode)
+    }
+  }
+
+  /// dataless → downloading for every pinned file whose content is not here (a crash or an
+  /// unmount stopped its download). Runs when the mount starts.
+  public func fetchPinnedFiles() throws {
+    guard let downloads else { return }
+    for inode in try index.pinnedDatalessFiles() {
+      inodes.withInodeLock(inode) { downloads.fetchWholeFile(inode) }
     }
   }
 

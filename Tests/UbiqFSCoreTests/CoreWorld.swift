@@ -91,6 +91,7 @@ final class CoreWorld: @unchecked Sendable {
     puller.onApplied = { core.remoteChangesApplied($0) }
     puller.downloader = downloader
     worker.downloader = downloader
+    core.fetchPinnedFiles()
     core.isUploading = { [worker] in worker?.isUploading($0) ?? false }
     self.index = index
     self.core = core

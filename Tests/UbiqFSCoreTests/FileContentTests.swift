@@ -142,4 +142,24 @@ import UbiqIndex
     try check(try a.readFile("f") == Data("the new version\n".utf8), "a new open reads the new version")
     try check(try a.core.read(reader, offset: 0, size: 100) == Data("x".utf8), "the reader keeps the old bytes")
   }
+
+  /// A pinned file whose download a crash stopped (dataless, its cache file gone) is fetched
+  /// when the mount starts again.
+  @Test func aPinnedFileLeftDatalessIsFetchedAtTheNextMount() async throws {
+    try await onOwnThread { try Self.pinnedAfterCrash() }
+  }
+
+  static func pinnedAfterCrash() throws {
+    let w = try CoreWorld()
+    let p = try w.writeFile("p", Data(repeating: 3, count: 70_000))
+    try w.drainUploads()
+    try w.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
+    // What a crash during the download of a new version leaves.
+    try w.index.pool.write { db in try db.execute(sql: "UPDATE items SET content = 0 WHERE id = ?", arguments: [p]) }
+    w.core.cache.remove(p)
+    try w.crashAndRestart()
+    let deadline = Date().addingTimeInterval(10)
+    while try state(w, p) != "cached" && Date() < deadline { usleep(10_000) }
+    try check(try state(w, p) == "cached", "after the restart: \(try state(w, p))")
+  }
 }

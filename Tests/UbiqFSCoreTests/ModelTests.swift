@@ -20,27 +20,47 @@ struct ModelStep: Sendable, CustomStringConvertible {
   static let paths = ["a", "b", "c", "a/a", "a/b", "b/a", "b/c", "c/b", "a/b/c"]
   static let kinds = [
     "create", "write", "truncate", "read", "rename", "unlink", "mkdir", "rmdir", "setmtime", "evict", "open",
-    "writeOpen", "readOpen", "close", "crash", "setxattr",
+    "writeOpen", "readOpen", "close", "crash", "setxattr", "chmod", "download", "pin", "remoteWrite",
   ]
-  /// How often each kind is drawn (out of 32): namespace changes and evictions of files that
+  /// How often each kind is drawn (out of 37): namespace changes and evictions of files that
   /// have content are what finds bugs, so they come often.
-  static let weights = [4, 4, 1, 2, 4, 2, 2, 1, 1, 3, 2, 2, 1, 1, 1, 1]
-  /// The kind a drawn number 0..<32 stands for.
+  static let weights = [4, 4, 1, 2, 4, 2, 2, 1, 1, 3, 2, 2, 1, 1, 1, 1, 1, 1, 1, 2]
+  /// The kind a drawn number 0..<37 stands for.
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
   var description: String { "\(Self.kinds[kind % Self.kinds.count])(\(p), \(q), \(n))" }
 }
 
+/// Where the model expects a file's bytes to be (`ModelRun.expectedContentStates`).
+enum ModelResidency {
+  /// In the cache file.
+  case here
+  /// Evicted or replaced remotely: only in the cloud.
+  case evicted
+  /// A pinned file's new version is being fetched in the background.
+  case fetching
+  /// A reader may have started (and finished, or stopped) a download.
+  case unsure
+}
+
 /// Drives the real filesystem core (real index, cache, uploader, downloader and embedded cloud)
 /// and the reference model with the same steps, and checks after every step that results,
-/// errnos, listings and contents agree.
+/// errnos, listings, contents and each file's content state agree.
 final class ModelRun {
   let world: CoreWorld
   var model = ReferenceModel()
-  /// Open handles: the model's node and the core's handle.
-  var held: [(node: Int, handle: UInt64, writable: Bool)] = []
+  /// Open handles: the model's node, the core's handle, and whether it wrote since its last
+  /// flush.
+  var held: [(node: Int, handle: UInt64, writable: Bool, wrote: Bool)] = []
   var log: [String] = []
+  /// The content-state side of the model, per file node: changes made here and not uploaded
+  /// yet (`dirty`), where the bytes are, and pinned files.
+  var pending: Set<Int> = []
+  var residency: [Int: ModelResidency] = [:]
+  var pinned: Set<Int> = []
+  /// A second device on the same cloud, for changes made elsewhere (made at first use).
+  var otherDevice: CoreWorld?
 
   init() throws { world = try CoreWorld() }
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -107,6 +127,7 @@ final class ModelRun {
         core.release(opened.handle)
       }
       expectSame(got, want, step)
+      if got == 0, let id = model.paths[p] { changedHere(id) }
     case 1:  // open, write at an offset, close
       let (node, want) = model.lookupFile(p)
       let data = bytes(step)
@@ -119,7 +140,10 @@ final class ModelRun {
         _ = try data.withUnsafeBytes { try core.write(h, $0, offset: Int64(offset)) }
         try core.flush(h)
       }
-      if want == 0 { model.write(node: node, offset: offset, data) }
+      if want == 0 {
+        model.write(node: node, offset: offset, data)
+        changedHere(node)
+      }
       expectSame(got, want, step)
     case 2:  // truncate(2)
       let (node, want) = model.lookupFile(p)
@@ -129,7 +153,10 @@ final class ModelRun {
         if a.kind == .directory { throw UbiqError.isDirectory(p) }
         _ = try core.setattr(a.inode, AttributeUpdate(size: Int64(size)))
       }
-      if want == 0 { model.truncate(node: node, to: size) }
+      if want == 0 {
+        model.truncate(node: node, to: size)
+        changedHere(node)
+      }
       expectSame(got, want, step)
     case 3:  // read whole file (checked by `check` too; here through a fresh open)
       let (node, want) = model.lookupFile(p)
@@ -143,11 +170,13 @@ final class ModelRun {
       }
       expectSame(got, want, step)
       if want == 0, case .file(let d) = model.nodes[node] { #expect(content == d, "\(step): content; steps: \(log)") }
+      if want == 0 { readHere(node) }
     case 4:  // rename / RENAME_NOREPLACE / RENAME_EXCHANGE
       let flags = UInt32(step.n % 3)
       if let a = try? resolve(p), a.blocks == 0, a.size > 0 {
         ModelRun.stats["rename of an evicted file", default: 0] += 1
       }
+      let moving = [model.paths[p], model.paths[q]]
       let want = model.rename(p, q, flags: flags)
       let got = errno {
         let (fromParent, fromName) = try parentAndName(p)
@@ -162,6 +191,11 @@ final class ModelRun {
           flags: RenameFlags(rawValue: flags))
       }
       expectSame(got, want, step)
+      // The moved item (both, for an exchange) has a new name to upload.
+      if got == 0 && p != q {
+        if let id = moving[0] { pending.insert(id) }
+        if flags == 2, let id = moving[1] { pending.insert(id) }
+      }
     case 5:
       let want = model.unlink(p)
       let got = errno {
@@ -194,29 +228,37 @@ final class ModelRun {
         #expect(after.mtimeNs == t, "\(step): mtime; steps: \(log)")
       }
       // A folder's mtime moves with every change inside it: the model keeps files' only.
-      if want == 0, let id = model.paths[p], model.nodes[id] != .directory { model.mtimes[id] = t }
+      if want == 0, let id = model.paths[p], model.nodes[id] != .directory {
+        model.mtimes[id] = t
+        pending.insert(id)
+      }
       expectSame(got, want, step)
     case 9 where step.n % 2 == 1:  // upload everything, then evict every file that is not open
-      try world.drainUploads()
+      try drainUploads()
       for (path, id) in model.paths where model.nodes[id] != .directory {
-        // Evicting an evicted file is a no-op; an open file with local content is refused.
+        // Evicting an evicted file is a no-op; an open or pinned file with local content is
+        // refused.
         let evicted = try isEvicted(path)
-        let open = held.contains { $0.node == id } && !evicted
+        let refused = (held.contains { $0.node == id } || pinned.contains(id)) && !evicted
         let got = errno { try core.evict(try resolve(path).inode) }
-        expectSame(got, open ? EBUSY : 0, step)
+        expectSame(got, refused ? EBUSY : 0, step)
+        if got == 0 { evictedHere(id) }
         ModelRun.stats["evict-all file", default: 0] += 1
         if got == 0, let a = try? resolve(path), a.blocks == 0, a.size > 0 {
           ModelRun.stats["evicted by all", default: 0] += 1
         }
       }
       ModelRun.stats["evict-all", default: 0] += 1
-    case 9:  // evict after everything was uploaded: refused only while the file is open
-      try world.drainUploads()
+    case 9:  // evict after everything was uploaded: refused only while the file is open or pinned
+      try drainUploads()
       var want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
-      if want == 0, let id = model.paths[p], held.contains(where: { $0.node == id }), !(try isEvicted(p)) {
+      if want == 0, let id = model.paths[p], held.contains(where: { $0.node == id }) || pinned.contains(id),
+        !(try isEvicted(p))
+      {
         want = EBUSY
       }
       let got = errno { try core.evict(try resolve(p).inode) }
+      if got == 0, let id = model.paths[p] { evictedHere(id) }
       if got == 0, let a = try? resolve(p), a.blocks == 0, a.size > 0 { ModelRun.stats["evicted", default: 0] += 1 }
       expectSame(got, want, step)
     case 10:  // open and keep the handle
@@ -230,17 +272,25 @@ final class ModelRun {
         handle = try core.open(a.inode, flags: writable ? O_RDWR : O_RDONLY, caller: .current).handle
       }
       expectSame(got, want, step)
-      if got == 0 { held.append((node, handle, writable)) }
+      if got == 0 {
+        held.append((node, handle, writable, false))
+        // A writer needs the whole content here; a reader streams what it reads.
+        if writable { residency[node] = .here } else { readHere(node) }
+      }
     case 11:  // write through a kept handle (no flush)
       // The kernel refuses writes through a read-only descriptor (EBADF) before asking us.
-      let writable = held.filter(\.writable)
+      let writable = held.indices.filter { held[$0].writable }
       guard !writable.isEmpty else { return }
-      let h = writable[step.a % writable.count]
+      let i = writable[step.a % writable.count]
+      let h = held[i]
       let data = bytes(step)
       let offset = step.n % 5000
       let got = errno { _ = try data.withUnsafeBytes { try core.write(h.handle, $0, offset: Int64(offset)) } }
       expectSame(got, 0, step)
-      if got == 0 { model.write(node: h.node, offset: offset, data) }
+      if got == 0 {
+        model.write(node: h.node, offset: offset, data)
+        held[i].wrote = true
+      }
     case 12:  // read through a kept handle, also after the file was unlinked or renamed
       guard !held.isEmpty else { return }
       let h = held[step.a % held.count]
@@ -251,10 +301,15 @@ final class ModelRun {
       guard !held.isEmpty else { return }
       let h = held.remove(at: step.a % held.count)
       core.release(h.handle)
+      // Its writes are recorded and queued.
+      if h.wrote { pending.insert(h.node) }
     case 14:  // the daemon dies: handles vanish unflushed; nothing written may be lost
+      // Their writes are found at the restart and queued; pinned files still being fetched are
+      // fetched again.
+      for h in held where h.wrote { pending.insert(h.node) }
       held.removeAll()
       try world.crashAndRestart()
-    default:  // user xattr
+    case 15:  // user xattr
       let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
       let value = Data("v\(step.n)".utf8)
       let got = errno {
@@ -262,9 +317,96 @@ final class ModelRun {
         try core.setxattr(a.inode, name: "user.k", value: value, flags: [])
       }
       expectSame(got, want, step)
-      if want == 0 { model.xattrs[model.paths[p]!, default: [:]]["user.k"] = value }
+      if want == 0 {
+        model.xattrs[model.paths[p]!, default: [:]]["user.k"] = value
+        pending.insert(model.paths[p]!)
+      }
+    case 16:  // chmod
+      let mode: UInt32 = [0o600, 0o644, 0o640, 0o755][step.n % 4]
+      let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      let got = errno { _ = try core.setattr(try resolve(p).inode, AttributeUpdate(mode: mode)) }
+      expectSame(got, want, step)
+      if got == 0, let id = model.paths[p] {
+        model.modes[id] = mode
+        pending.insert(id)
+      }
+    case 17:  // ubiqfs download
+      let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      let got = errno { try core.download(try resolve(p).inode) }
+      expectSame(got, want, step)
+      if got == 0, let id = model.paths[p], model.nodes[id] != .directory { residency[id] = .here }
+    case 18:  // ubiqfs pin / unpin
+      let pin = step.n % 2 == 0
+      let want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
+      let got = errno {
+        try core.setxattr(
+          try resolve(p).inode, name: "user.ubiq.pinned", value: Data(pin ? "1".utf8 : "0".utf8), flags: [])
+      }
+      expectSame(got, want, step)
+      if got == 0, let id = model.paths[p], model.nodes[id] != .directory {
+        if pin {
+          pinned.insert(id)
+          residency[id] = .here
+        } else {
+          pinned.remove(id)
+        }
+      }
+    case 19:  // another device replaces the file's content; nothing here has it open
+      let (node, want) = model.lookupFile(p)
+      guard want == 0, !held.contains(where: { $0.node == node }) else { return }
+      try drainUploads()
+      if otherDevice == nil { otherDevice = try CoreWorld(cloud: world.cloud) }
+      let other = otherDevice!
+      try other.pull()
+      let data = bytes(step)
+      try other.writeFile(p, data)
+      try other.drainUploads()
+      try world.pull()
+      model.truncate(node: node, to: 0)
+      model.write(node: node, offset: 0, data)
+      // The new version is only in the cloud; a pinned file fetches it at once.
+      residency[node] = pinned.contains(node) ? .fetching : .evicted
+      ModelRun.stats["remote writes", default: 0] += 1
+    default:
+      break
     }
     try check(after: step)
+  }
+
+  /// The file changed here (content, name, times, mode, xattrs): queued for upload.
+  func changedHere(_ id: Int) {
+    pending.insert(id)
+    residency[id] = .here
+  }
+
+  /// A reader opened the file: if its bytes were only in the cloud, a download may have run.
+  func readHere(_ id: Int) {
+    if let r = residency[id], r != .here { residency[id] = .unsure }
+  }
+
+  /// An eviction succeeded: a file with bytes keeps only its metadata here. With a handle open
+  /// or a download running it succeeds only as a no-op on a file already evicted, whose
+  /// download goes on.
+  func evictedHere(_ id: Int) {
+    if held.contains(where: { $0.node == id }) || residency[id] == .fetching { return }
+    if case .file(let d) = model.nodes[id], !d.isEmpty { residency[id] = .evicted }
+  }
+
+  /// Uploads everything the core may upload: what a handle holds unflushed stays.
+  func drainUploads() throws {
+    try world.drainUploads()
+    pending = pending.filter { id in held.contains { $0.node == id && $0.wrote } }
+  }
+
+  /// The content states `user.ubiq.content_state` may show for file node `id`.
+  func expectedContentStates(_ id: Int) -> Set<String> {
+    if pending.contains(id) || held.contains(where: { $0.node == id && $0.wrote }) { return ["dirty"] }
+    switch residency[id] ?? .here {
+    case .here: return ["cached"]
+    case .evicted: return ["dataless"]
+    case .fetching: return ["downloading", "cached"]
+    case .unsure: return ["dataless", "downloading", "cached"]
+    }
   }
 
   /// The whole visible tree (names, kinds, sizes, contents, set mtimes and xattrs) equals the
@@ -280,6 +422,12 @@ final class ModelRun {
       }
       for e in entries where e.name != "." && e.name != ".." {
         let path = prefix.isEmpty ? e.name : prefix + "/" + e.name
+        if e.attributes.kind == .file, !readEvicted, let id = model.paths[path] {
+          let state = try contentState(e.attributes.inode)
+          #expect(
+            expectedContentStates(id).contains(state),
+            "\(step): content state of \(path) is \(state), the model says \(expectedContentStates(id)); steps: \(log)")
+        }
         if e.attributes.kind == .directory {
           seen[path] = .some(nil)
           try walk(e.attributes.inode, path)
@@ -300,6 +448,9 @@ final class ModelRun {
           seen[path] = .some(content)
         }
         if let id = model.paths[path] {
+          if let mode = model.modes[id] {
+            #expect(e.attributes.mode & 0o7777 == mode, "\(step): mode of \(path); steps: \(log)")
+          }
           if let t = model.mtimes[id] {
             #expect(try core.getattr(e.attributes.inode).mtimeNs == t, "\(step): mtime of \(path); steps: \(log)")
           }
@@ -316,11 +467,16 @@ final class ModelRun {
     #expect(seen == want, "\(step): tree differs; steps: \(log)")
   }
 
+  func contentState(_ inode: Int64) throws -> String {
+    guard case .value(let v) = try core.getxattr(inode, name: "user.ubiq.content_state", size: 64) else { return "" }
+    return String(decoding: v, as: UTF8.self)
+  }
+
   /// After the last step: every handle closed, everything uploaded, then every file read.
   func finish() throws {
     for h in held { core.release(h.handle) }
     held.removeAll()
-    try world.drainUploads()
+    try drainUploads()
     try check(after: ModelStep(kind: 3, a: 0, b: 0, n: 0), readEvicted: true)
   }
 }
@@ -332,7 +488,7 @@ final class ModelRun {
   static let cases = Int(ProcessInfo.processInfo.environment["UBIQ_MODEL_CASES"] ?? "") ?? 1500
 
   static let stepGenerator = zip(
-    Gen.int(in: 0...31), Gen.int(in: 0...8), Gen.int(in: 0...8), Gen.int(in: 0...9999)
+    Gen.int(in: 0...(ModelStep.drawnKinds.count - 1)), Gen.int(in: 0...8), Gen.int(in: 0...8), Gen.int(in: 0...9999)
   ).map { ModelStep(kind: ModelStep.drawnKinds[$0], a: $1 % 3 == 0 ? $1 : $1 % 3, b: $2 % 3 == 0 ? $2 : $2 % 3, n: $3) }
 
   /// Sequences found by the random test or written for a known bug, replayed every run.
@@ -361,6 +517,10 @@ final class ModelRun {
     [(6, 1, 0, 0), (6, 6, 0, 0), (4, 1, 6, 1)],
     [(6, 1, 0, 0), (6, 6, 0, 0), (4, 6, 1, 0)],
     [(6, 1, 0, 0), (6, 6, 0, 0), (4, 6, 1, 2)],
+    // A pinned empty file gets a new version from another device: it is downloaded at once.
+    [(0, 1, 0, 0), (18, 1, 2, 8566), (19, 1, 3, 2549)],
+    // A reader holds a file changed remotely open; the file is renamed, then written.
+    [(0, 2, 0, 0), (19, 2, 0, 0), (10, 2, 0, 7), (4, 2, 0, 0), (9, 0, 0, 0), (1, 0, 0, 2)],
   ]
 
   @Test func knownSequences() async throws {

@@ -7,9 +7,10 @@ import UbiqCore
 
 /// An in-memory reference of what a POSIX filesystem (ext4) does for the operations the model
 /// test issues: a tree of numbered nodes, open handles on node numbers (an unlinked node lives
-/// while a handle holds it), and the errno each failing call must give. Content state (evicted,
-/// downloading, uploaded) is invisible here by design: the mount must look the same whatever it
-/// is.
+/// while a handle holds it), and the errno each failing call must give. Where a file's bytes
+/// are (evicted, downloading, uploaded) does not change anything here: the mount must look the
+/// same whatever it is. `ModelRun` models that content state on the side and checks it through
+/// `user.ubiq.content_state`.
 struct ReferenceModel {
   enum Node: Equatable {
     case file(Data)
@@ -21,6 +22,8 @@ struct ReferenceModel {
   var paths: [String: Int] = [:]
   var mtimes: [Int: Int64] = [:]
   var xattrs: [Int: [String: Data]] = [:]
+  /// Permission bits set by chmod (nodes not listed keep the mode they were made with).
+  var modes: [Int: UInt32] = [:]
   var nextNode = 1
 
   func parentPath(_ p: String) -> String? {
