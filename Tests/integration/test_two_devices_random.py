@@ -1,12 +1,14 @@
-"""Two devices of one account (real mounts, the test's cloud: embedded, `serve` on SQLite, or
-`serve` on PostgreSQL + SeaweedFS) run a random workload at the same time: writes with fsync,
-atomic saves, renames and moves, deletes, mkdir and `rm -r`, with uploads delayed 1.5 s so that
-changes really are concurrent, and now and then a daemon killed with SIGKILL and mounted again.
-After each round everything is synced: both devices must show the same tree, every file must
-hold bytes some writer wrote (never a torn or zeroed mix), and no upload may be left or failing.
+"""Two and three devices of one account (real mounts, the test's cloud: embedded, `serve` on
+SQLite, or `serve` on PostgreSQL + SeaweedFS) run a random workload at the same time: writes with
+fsync, atomic saves, renames and moves, deletes, mkdir and `rm -r`, with uploads delayed 1.5 s so
+that changes really are concurrent; now and then a daemon is killed with SIGKILL and mounted
+again, and with `serve`, a server is killed with SIGKILL and started again. After each round
+everything is synced: every device must show the same tree, every file must hold bytes some
+writer wrote (never a torn or zeroed mix), and no upload may be left or failing.
 
 Seeded: a failure names the seed and the operations. UBIQ_TWO_DEVICE_ROUNDS sets the number of
-rounds (a small budget by default), UBIQ_TWO_DEVICE_SEED the first seed."""
+rounds (a small budget by default; the three-device test runs half as many),
+UBIQ_TWO_DEVICE_SEED the first seed."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import random
 import shutil
 import signal
 import subprocess
+import time
 
-from conftest import Ubiq
+from conftest import CLOUD_MODE, Ubiq, _cloud_account, another_device
 from test_conflicts import pair, settle  # noqa: F401  (the fixture)
 from test_devices_and_content import wait_for
 
@@ -111,26 +114,58 @@ def crash_and_remount(u: Ubiq) -> None:
     u.mount("--upload-delay-ms", "1500", "--pull-interval-ms", "100")
 
 
-def test_two_devices_converge_under_a_random_workload(pair):  # noqa: F811
-    a, b = pair
+def kill_and_restart_server(u: Ubiq, rng: random.Random) -> str:
+    """`kill -9` of one of the account's `ubiqfs serve` processes, started again on its port:
+    devices meet refused connections and lost replies meanwhile."""
+    servers = _cloud_account(u.cloud_key).servers
+    i = rng.randrange(len(servers))
+    s = servers[i]
+    os.kill(s.pid, signal.SIGKILL)
+    s.proc.wait(timeout=10)
+    s.start()
+    return f"kill -9 server {i}"
+
+
+def run_random_workload(devices: list, rounds: int, first_seed: int) -> None:
+    names = "ABC"
     written: set[bytes] = set()
-    for rnd in range(ROUNDS):
-        seed = BASE_SEED + rnd
+    for rnd in range(rounds):
+        seed = first_seed + rnd
         w = Workload(seed, written)
         crash_at = w.rng.randrange(OPS_PER_ROUND) if w.rng.random() < 0.4 else -1
-        victim = w.rng.choice([a, b])
+        victim = w.rng.choice(devices)
+        server_kill_at = w.rng.randrange(OPS_PER_ROUND) if CLOUD_MODE != "embedded" and w.rng.random() < 0.4 else -1
         for i in range(OPS_PER_ROUND):
-            u = w.rng.choice([a, b])
-            w.step("A" if u is a else "B", str(u.docs))
+            u = w.rng.choice(devices)
+            w.step(names[devices.index(u)], str(u.docs))
             if i == crash_at:
-                w.log.append(f"kill -9 {'A' if victim is a else 'B'}")
+                w.log.append(f"kill -9 {names[devices.index(victim)]}")
                 crash_and_remount(victim)
-        settle(a, b, rounds=3)
+            if i == server_kill_at:
+                w.log.append(kill_and_restart_server(devices[0], w.rng))
+        for _ in range(3):
+            for u in devices:
+                u.sync(timeout=60)
+            time.sleep(0.6)
         what = f"seed {seed}: {w.log}"
-        wait_for(lambda: tree(a.docs) == tree(b.docs), timeout=30, what=f"the same tree on both devices, {what}")
-        for path, content in tree(a.docs).items():
+        first = devices[0]
+        for other in devices[1:]:
+            wait_for(lambda: tree(first.docs) == tree(other.docs), timeout=30,
+                     what=f"the same tree on every device, {what}")
+        for path, content in tree(first.docs).items():
             if content is not None:
                 assert content in written, f"{path} holds bytes nobody wrote; {what}"
-        for u in (a, b):
+        for u in devices:
             q = u.status()[0]["queue"]
             assert q["pendingItems"] == 0 and q["pendingDeletes"] == 0 and not q["failing"], (q, what)
+
+
+def test_two_devices_converge_under_a_random_workload(pair):  # noqa: F811
+    run_random_workload(list(pair), ROUNDS, BASE_SEED)
+
+
+def test_three_devices_converge_under_a_random_workload(pair, tmp_path_factory):  # noqa: F811
+    a, b = pair
+    with another_device(a, tmp_path_factory, "third") as c:
+        c.mount("--upload-delay-ms", "1500", "--pull-interval-ms", "100")
+        run_random_workload([a, b, c], max(1, ROUNDS // 2), BASE_SEED + 500)
