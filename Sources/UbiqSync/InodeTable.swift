@@ -181,10 +181,12 @@ public final class InodeTable: @unchecked Sendable {
   /// The attributes of an unlinked file that is still open.
   public func unlinkedAttributes(_ inode: Int64) -> UnlinkedAttributes? { read(inode) { $0.unlinked } }
 
-  /// The item is gone for good (inodes are never reused) and no handle holds it: its state goes.
+  /// The item is gone for good (inodes are never reused) and no handle holds it: its state
+  /// goes, but for the kernel's entries, which stay counted until it forgets them.
   public func itemGone(_ inode: Int64) {
     lock.withLock {
-      if states[inode]?.handles.isEmpty ?? true { states[inode] = nil }
+      guard let state = states[inode], state.handles.isEmpty else { return }
+      states[inode] = state.lookups > 0 ? InodeState(lookups: state.lookups) : nil
     }
   }
 

@@ -119,4 +119,19 @@ import UbiqSync
     #expect(inodes.forget(4, count: 5) == 5, "a forget past the count is reported")
     #expect(inodes.count == 0)
   }
+
+  /// A file deleted while the kernel still holds entries of it: its record goes with the item,
+  /// but the kernel's entries are still counted, so its later forgets are expected ones (found
+  /// on real mounts: "forgot 1 more entries" after every `rm` of a listed file).
+  @Test func theKernelsEntriesOfADeletedItemAreStillCounted() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      let (a, opened) = try w.core.create(parent: w.documents, name: "gone", mode: 0o644, caller: .current)
+      w.core.entriesHanded(a.inode, count: 2)
+      w.core.release(opened.handle)
+      try w.core.unlink(parent: w.documents, name: "gone")
+      try Self.check(w.core.inodes.forget(a.inode, count: 2) == 0, "forgets of a deleted item beyond its count")
+      try Self.check(w.core.inodes.count == 0, "nothing left once the kernel forgot it")
+    }
+  }
 }

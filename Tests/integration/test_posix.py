@@ -528,9 +528,9 @@ def test_unicode_and_odd_names(ubiq):
 
 def test_the_kernel_never_forgets_more_entries_than_it_was_handed(ubiq):
     """Every entry a reply hands the kernel (lookup, create, mkdir, symlink, each readdirplus
-    entry) is counted, so when the kernel drops inodes from its caches and forgets them, it never
-    forgets more than it was handed: the daemon keeps an inode's state (its page-cache epoch)
-    exactly as long as the kernel may hold the inode."""
+    entry) is counted, also after the item is deleted, so when the kernel drops inodes from its
+    caches and forgets them, it never forgets more than it was handed: the daemon keeps an
+    inode's state (its page-cache epoch) exactly as long as the kernel may hold the inode."""
     tree = ubiq.docs / "tree"
     tree.mkdir()
     for i in range(40):
@@ -545,5 +545,11 @@ def test_the_kernel_never_forgets_more_entries_than_it_was_handed(ubiq):
         os.rename(tree / "dir0", tree / "moved")
         os.rename(tree / "moved", tree / "dir0")
         Path("/proc/sys/vm/drop_caches").write_text("2")
+    # Entries of deleted items stay counted until the kernel forgets them.
+    subprocess.run(["ls", "-lR", str(tree)], check=True, capture_output=True)
+    for i in range(20, 40):
+        subprocess.run(["rm", "-r", str(tree / f"dir{i}")], check=True)
+    (tree / "dir0" / "f1").unlink()
+    Path("/proc/sys/vm/drop_caches").write_text("2")
     time.sleep(1)  # the kernel sends forgets in batches, asynchronously
     assert "than it was handed" not in ubiq.daemon_log()
