@@ -151,13 +151,20 @@ public final class FilesystemCore: @unchecked Sendable {
       guard size >= 0 else { throw UbiqError.invalidArgument("negative size") }
       guard size <= Self.maxFileSize else { throw UbiqError.fileTooLarge("\(size) bytes") }
       let open = handle.flatMap { handles.get($0) }
+      func truncate() throws {
+        // Through a handle that may write (ftruncate), the truncation is that handle's write: the
+        // upload waits for its flush, as after an open with O_TRUNC.
+        if let open, open.writable, !open.dirty {
+          try content.writeBegins(inode)
+          open.dirty = true
+        }
+        try truncateContent(inode, to: size, through: open?.fd)
+      }
       if size != 0 {
         // A size other than 0 keeps a prefix of the content, so the content must be here.
-        try withContentCached(inode, interruption: nil) { _ in
-          try truncateContent(inode, to: size, through: open?.fd)
-        }
+        try withContentCached(inode, interruption: nil) { _ in try truncate() }
       } else {
-        try inodes.withInodeLock(inode) { try truncateContent(inode, to: size, through: open?.fd) }
+        try inodes.withInodeLock(inode) { try truncate() }
       }
       c.size = size
       if c.mtimeNs == nil { c.mtimeNs = now }
@@ -335,9 +342,10 @@ public final class FilesystemCore: @unchecked Sendable {
     }
     // The handle is registered under the inode lock, so an eviction (which takes the same
     // lock) either ran before this open or sees the handle and refuses.
-    func register(_ fd: Int32, _ stream: ContentStream?) -> UInt64 {
+    func register(_ fd: Int32, _ stream: ContentStream?, dirty: Bool = false) -> UInt64 {
       let file = OpenFile(inode: inode, fd: fd, writable: writable, readAhead: newReadAheadWindow())
       file.stream = stream
+      file.dirty = dirty
       let h = handles.add(file)
       file.epoch = inodes.opened(inode, handle: h, fd: fd, writable: writable)
       return h
@@ -350,8 +358,8 @@ public final class FilesystemCore: @unchecked Sendable {
       }
     } else {
       h = try inodes.withInodeLock(inode) {
-        let (fd, stream) = try openCacheFile(inode, flags: flags)
-        return register(fd, stream)
+        let (fd, stream, dirty) = try openCacheFile(inode, flags: flags)
+        return register(fd, stream, dirty: dirty)
       }
     }
     handles.noteUse(inode)
@@ -370,22 +378,29 @@ public final class FilesystemCore: @unchecked Sendable {
   /// Opens the cache file of `inode` for a new handle that does not need the old content, under
   /// the inode lock: truncated for O_TRUNC (works offline, downloads nothing), streamed (the
   /// returned download, which the handle gives back when it closes) for readers of evicted
-  /// content.
-  func openCacheFile(_ inode: Int64, flags: Int32) throws -> (Int32, ContentStream?) {
+  /// content. `dirty`: the truncation counts as the new handle's first write, so the upload
+  /// waits for the handle's flush and the empty file between the truncation and the writes that
+  /// follow (`echo new > f`) never leaves the device.
+  func openCacheFile(_ inode: Int64, flags: Int32) throws -> (Int32, ContentStream?, dirty: Bool) {
     let current = try requireRow(inode)
     let writable = flags & O_ACCMODE != O_RDONLY
     if writable {
       let fd = try cache.open(inode, create: true)
       do {
-        if try content.truncateForOpen(current, through: fd) {
-          inodes.clearPendingMtime(inode)
-          onQueued()
+        guard content.openTruncates(current, cacheFile: fd) else { return (fd, nil, false) }
+        try content.writeBegins(inode)
+        do {
+          try truncateContent(inode, to: 0, through: fd)
+        } catch {
+          inodes.noteFlushed(inode)
+          throw error
         }
+        inodes.clearPendingMtime(inode)
+        return (fd, nil, true)
       } catch {
         close(fd)
         throw error
       }
-      return (fd, nil)
     }
     var stream: ContentStream?
     if try !content.isPresent(current) {
@@ -394,7 +409,7 @@ public final class FilesystemCore: @unchecked Sendable {
       stream = try downloader.openReader(inode)
     }
     do {
-      return (try cache.open(inode, create: false), stream)
+      return (try cache.open(inode, create: false), stream, false)
     } catch {
       if let stream { downloader?.closeReader(stream) }
       throw error

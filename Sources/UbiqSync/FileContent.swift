@@ -134,16 +134,14 @@ public struct FileContent: Sendable {
       inode, size: size, mtimeNs: Clock.nowNs(), clean: inodes.dirtyHandleCount(inode) == 0)
   }
 
-  /// An open for writing with O_TRUNC: the content becomes empty without a download (works
-  /// offline). Under the inode lock. Returns whether anything changed; an empty file whose
-  /// cache file is empty stays as it is (no new revision for `: > empty`). The index may say
-  /// 0 bytes while another handle has written more, not yet recorded: the cache file decides.
-  public func truncateForOpen(_ row: ItemRow, through fd: Int32) throws -> Bool {
+  /// Whether an open for writing with O_TRUNC changes anything (it then `truncate`s, which
+  /// works offline and downloads nothing): an empty file whose cache file is empty stays as it
+  /// is (no new revision for `: > empty`). The index may say 0 bytes while another handle has
+  /// written more, not yet recorded: the cache file decides. Under the inode lock.
+  public func openTruncates(_ row: ItemRow, cacheFile fd: Int32) -> Bool {
     var st = stat()
     let cachedBytes = fstat(fd, &st) == 0 ? Int64(st.st_size) : -1
-    guard row.size != 0 || row.content == .dataless || cachedBytes != 0 else { return false }
-    try truncate(row.id!, to: 0, through: fd)
-    return true
+    return row.size != 0 || row.content == .dataless || cachedBytes != 0
   }
 
   // MARK: - downloads and eviction

@@ -162,4 +162,41 @@ import UbiqIndex
     while try state(w, p) != "cached" && Date() < deadline { usleep(10_000) }
     try check(try state(w, p) == "cached", "after the restart: \(try state(w, p))")
   }
+
+  /// `echo new > f` opens with O_TRUNC, then writes. An upload that runs between the two must
+  /// not send the empty file: other devices would get a version nobody saved (found by the
+  /// real-process random run: another device renamed that empty version over a file). The same
+  /// for a truncation through an open handle (ftruncate, then writes).
+  @Test func aFileTruncatedByAWriterIsNotUploadedUntilTheWriterFlushes() async throws {
+    try await onOwnThread { try Self.truncatingWriter() }
+  }
+
+  static func truncatingWriter() throws {
+    let w = try CoreWorld()
+    let f = try w.writeFile("f", Data("old content\n".utf8))
+    try w.drainUploads()
+    let cloudItem = { () throws -> CloudItem? in
+      let id = try w.index.item(f)!.itemID
+      let cloud = w.cloud
+      let container = w.container
+      return try runBlocking { try await cloud.item(container, itemID: id) }
+    }
+    for truncation in ["O_TRUNC", "ftruncate"] {
+      let h: UInt64
+      if truncation == "O_TRUNC" {
+        h = try w.core.open(f, flags: O_WRONLY | O_TRUNC, caller: Caller.current).handle
+      } else {
+        h = try w.core.open(f, flags: O_WRONLY, caller: Caller.current).handle
+        _ = try w.core.setattr(f, AttributeUpdate(size: 0), handle: h)
+      }
+      try w.drainUploadsOnce()
+      let size = try cloudItem()?.size
+      try check(size != 0, "\(truncation): the cloud got the empty file before the writer wrote")
+      let data = Data("new content by \(truncation)\n".utf8)
+      _ = try data.withUnsafeBytes { try w.core.write(h, $0, offset: 0) }
+      w.core.release(h)
+      try w.drainUploads()
+      try check(try cloudItem()?.size == Int64(data.count), "\(truncation): the written version is uploaded")
+    }
+  }
 }
