@@ -448,6 +448,9 @@ public final class FilesystemCore: @unchecked Sendable {
     let fd = try cache.open(row.id!, create: true)
     _ = ftruncate(fd, 0)
     let file = OpenFile(inode: row.id!, fd: fd, writable: true)
+    // Until its creator's first flush the file is that writer's: the upload waits for it, so
+    // the empty file between the create and the writes never leaves the device.
+    if (try? inodes.withInodeLock(row.id!, { try content.writeBegins(row.id!) })) != nil { file.dirty = true }
     let h = handles.add(file)
     file.epoch = inodes.opened(row.id!, handle: h, fd: fd, writable: true)
     return (attributes(for: row), OpenedFile(handle: h, keepCache: true))

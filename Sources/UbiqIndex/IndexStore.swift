@@ -114,7 +114,7 @@ public final class IndexStore: @unchecked Sendable {
     // Pinned files, found at mount without reading every row (a pinned file left dataless by
     // a crash is fetched again).
     m.registerMigration("v11-pinned") { db in
-      try db.execute(sql: "CREATE INDEX items_pinned ON items(id) WHERE pinned = 1")
+      try db.execute(sql: "CREATE INDEX items_pinned ON items(kind, content) WHERE pinned = 1")
     }
     return m
   }
@@ -790,7 +790,7 @@ public final class IndexStore: @unchecked Sendable {
   public func pinnedDatalessFiles() throws -> [Int64] {
     try pool.read { db in
       try Int64.fetchAll(
-        db, sql: "SELECT id FROM items INDEXED BY items_pinned WHERE pinned = 1 AND kind = 1 AND content = 0")
+        db, sql: "SELECT id FROM items WHERE pinned = 1 AND kind = 1 AND content = 0")
     }
   }
 

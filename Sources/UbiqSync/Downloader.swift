@@ -218,6 +218,9 @@ public final class ContentStream: @unchecked Sendable {
 
   func addUser() { cond.withLock { users += 1 } }
 
+  /// Whether a handle reads through the download.
+  var hasUsers: Bool { cond.withLock { users > 0 } }
+
   /// A handle reading through the download closed. Returns true if it was the last one and
   /// nothing else wants the rest of the file.
   func removeUser() -> Bool {
@@ -503,11 +506,14 @@ public final class Downloader: @unchecked Sendable {
   }
 
   /// The content the download fetches was replaced (a remote version, a merge): the download
-  /// leaves the table without stopping, so its readers finish with the old bytes (their
-  /// descriptors keep the old cache file) and it never marks the file cached. Runs under the
-  /// inode lock.
+  /// leaves the table, so it never marks the file cached. While handles read through it, it
+  /// goes on, so they finish with the old bytes (their descriptors keep the old cache file);
+  /// with none (a pinned file's background fetch, a download only a waiter asked for) it stops:
+  /// nobody will read that version. Runs under the inode lock.
   public func detach(_ inode: Int64) {
-    lock.withLock { _ = streams.removeValue(forKey: inode) }
+    guard let s = lock.withLock({ streams.removeValue(forKey: inode) }), !s.hasUsers else { return }
+    s.stop()
+    schedule(s)
   }
 
   /// The file's content was replaced locally (truncated) or the item went away: a running

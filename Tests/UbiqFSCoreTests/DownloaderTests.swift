@@ -222,6 +222,30 @@ import UbiqIndex
       if !content.isEmpty { throw UbiqError.io("the truncated file reads \(content.count) bytes") }
     }
   }
+
+  /// A pinned file gets new versions from another device one after the other: the background
+  /// fetch of a version that is already replaced stops (nobody will read it) instead of
+  /// running to the end beside the fetch of the current one.
+  @Test func aPinnedFilesFetchOfAReplacedVersionStops() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try Self.evictedOnB(["p": Self.noise(2 << 20, seed: 3)])
+      defer { withExtendedLifetime(a) {} }
+      let p = try b.inode("p")!
+      try b.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
+      cloud.chunkReadsHang = true
+      try a.writeFile("p", Self.noise(2 << 20, seed: 4))
+      try a.drainUploads()
+      try b.pull()
+      try Self.waitUntil("the new version's fetch runs") { b.downloader.activeFetches == 1 }
+      try a.writeFile("p", Self.noise(2 << 20, seed: 5))
+      try a.drainUploads()
+      try b.pull()
+      try Self.waitUntil("only the current version is fetched", within: 10) { b.downloader.activeFetches == 1 }
+      // The truncation stops the last fetch too.
+      _ = try b.core.setattr(p, AttributeUpdate(size: 0))
+      try Self.waitUntil("no fetch is left", within: 10) { b.downloader.activeFetches == 0 }
+    }
+  }
 }
 
 /// A result handed from one thread to another.

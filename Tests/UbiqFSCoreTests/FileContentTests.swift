@@ -166,7 +166,7 @@ import UbiqIndex
   /// `echo new > f` opens with O_TRUNC, then writes. An upload that runs between the two must
   /// not send the empty file: other devices would get a version nobody saved (found by the
   /// real-process random run: another device renamed that empty version over a file). The same
-  /// for a truncation through an open handle (ftruncate, then writes).
+  /// for a truncation through an open handle (ftruncate, then writes) and a new file.
   @Test func aFileTruncatedByAWriterIsNotUploadedUntilTheWriterFlushes() async throws {
     try await onOwnThread { try Self.truncatingWriter() }
   }
@@ -198,5 +198,16 @@ import UbiqIndex
       try w.drainUploads()
       try check(try cloudItem()?.size == Int64(data.count), "\(truncation): the written version is uploaded")
     }
+    // A new file: nothing reaches the cloud before its creator's writes.
+    let (a, opened) = try w.core.create(parent: w.documents, name: "new", mode: 0o644, caller: Caller.current)
+    try w.drainUploadsOnce()
+    let id = try w.index.item(a.inode)!.itemID
+    let cloud = w.cloud
+    let container = w.container
+    try check(try runBlocking { try await cloud.item(container, itemID: id) } == nil, "the new file went up empty")
+    _ = try Data("first words\n".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+    w.core.release(opened.handle)
+    try w.drainUploads()
+    try check(try runBlocking { try await cloud.item(container, itemID: id) }?.size == 12, "the new file's content")
   }
 }

@@ -389,10 +389,14 @@ final class ModelRun {
   }
 
   /// An eviction succeeded: a file with bytes keeps only its metadata here. With a handle open
-  /// or a download running it succeeds only as a no-op on a file already evicted, whose
-  /// download goes on.
+  /// it succeeds only as a no-op on a file already evicted, whose download goes on.
   func evictedHere(_ id: Int) {
-    if held.contains(where: { $0.node == id }) || residency[id] == .fetching { return }
+    if held.contains(where: { $0.node == id }) { return }
+    // Still being fetched (a no-op), or fetched just before and now evicted.
+    if residency[id] == .fetching {
+      residency[id] = .unsure
+      return
+    }
     if case .file(let d) = model.nodes[id], !d.isEmpty { residency[id] = .evicted }
   }
 
@@ -523,6 +527,8 @@ final class ModelRun {
     [(6, 1, 0, 0), (6, 6, 0, 0), (4, 6, 1, 2)],
     // A pinned empty file gets a new version from another device: it is downloaded at once.
     [(0, 1, 0, 0), (18, 1, 2, 8566), (19, 1, 3, 2549)],
+    // The same, unpinned and evicted while its new version may still be arriving.
+    [(0, 2, 0, 0), (18, 2, 0, 0), (19, 2, 0, 0), (18, 2, 0, 47), (9, 2, 2, 1649)],
     // The same, evicted while its new version may still be arriving.
     [(0, 1, 0, 0), (18, 1, 0, 4904), (19, 1, 0, 9890), (9, 1, 4, 3483)],
     // A reader holds a file changed remotely open; the file is renamed, then written.
