@@ -200,3 +200,9 @@ final class CoreWorld: @unchecked Sendable {
     return try core.read(h, offset: 0, size: Int(size))
   }
 }
+
+/// A check for code running on a thread of its own (`onOwnThread`), where `#expect` has no
+/// test to report to: a failed one throws, and the error fails the test and names it.
+func checkThat(_ condition: Bool, _ what: String) throws {
+  if !condition { throw UbiqError.io("check failed: \(what)") }
+}

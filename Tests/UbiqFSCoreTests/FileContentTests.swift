@@ -15,11 +15,6 @@ import UbiqIndex
 /// The content state machine of a file (`FileContent`): each transition the core and the sync
 /// layer make moves the state shown in `user.ubiq.content_state` as the diagram says.
 @Suite(.serialized) struct FileContentTests {
-  /// A failed check on a thread of its own (`onOwnThread`) throws, which fails the test.
-  static func check(_ condition: Bool, _ what: String) throws {
-    if !condition { throw UbiqError.io("check failed: \(what)") }
-  }
-
   static func state(_ w: CoreWorld, _ inode: Int64) throws -> String {
     guard case .value(let v) = try w.core.getxattr(inode, name: "user.ubiq.content_state", size: 4096) else {
       throw UbiqError.io("no value")
@@ -41,25 +36,25 @@ import UbiqIndex
     let (a, opened) = try w.core.create(parent: w.documents, name: "f", mode: 0o644, caller: Caller.current)
     let f = a.inode
     _ = try Data(repeating: 7, count: 100_000).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
-    try check(try state(w, f) == "dirty", "written, not flushed: \(try state(w, f))")
+    try checkThat(try state(w, f) == "dirty", "written, not flushed: \(try state(w, f))")
     w.core.release(opened.handle)
-    try check(try state(w, f) == "dirty", "recorded and queued: \(try state(w, f))")
+    try checkThat(try state(w, f) == "dirty", "recorded and queued: \(try state(w, f))")
     // uploading while the uploader reads and sends it.
     var seenWhileSending = ""
     link.beforeWrite = { (_: Int) in seenWhileSending = try state(w, f) }
     try w.drainUploads()
     link.beforeWrite = nil
-    try check(seenWhileSending == "uploading", "while its upload is sent: \(seenWhileSending)")
-    try check(try state(w, f) == "cached", "uploaded: \(try state(w, f))")
+    try checkThat(seenWhileSending == "uploading", "while its upload is sent: \(seenWhileSending)")
+    try checkThat(try state(w, f) == "cached", "uploaded: \(try state(w, f))")
     // evict: dataless; a reader's open starts a download; reading it all completes it.
     try w.core.evict(f)
-    try check(try state(w, f) == "dataless", "evicted: \(try state(w, f))")
+    try checkThat(try state(w, f) == "dataless", "evicted: \(try state(w, f))")
     let reader = try w.core.open(f, flags: O_RDONLY, caller: Caller.current).handle
-    try check(try state(w, f) == "downloading", "a reader opened it: \(try state(w, f))")
+    try checkThat(try state(w, f) == "downloading", "a reader opened it: \(try state(w, f))")
     _ = try w.core.read(reader, offset: 0, size: 100_000)
     w.core.release(reader)
     try w.core.download(f)
-    try check(try state(w, f) == "cached", "downloaded: \(try state(w, f))")
+    try checkThat(try state(w, f) == "cached", "downloaded: \(try state(w, f))")
     // An upload that fails: error, with the bytes kept and the entry queued.
     let h = try w.core.open(f, flags: O_WRONLY | O_TRUNC, caller: Caller.current).handle
     _ = try Data("new".utf8).withUnsafeBytes { try w.core.write(h, $0, offset: 0) }
@@ -67,10 +62,10 @@ import UbiqIndex
     link.beforeWrite = { (_: Int) in throw CloudError.unavailable("test: the cloud is down") }
     try w.drainUploadsOnce()
     link.beforeWrite = nil
-    try check(try state(w, f) == "error", "a failed upload: \(try state(w, f))")
-    try check(try w.readFile("f") == Data("new".utf8), "the bytes stay")
+    try checkThat(try state(w, f) == "error", "a failed upload: \(try state(w, f))")
+    try checkThat(try w.readFile("f") == Data("new".utf8), "the bytes stay")
     try w.drainUploads()
-    try check(try state(w, f) == "cached", "retried: \(try state(w, f))")
+    try checkThat(try state(w, f) == "cached", "retried: \(try state(w, f))")
   }
 
   /// A remote version replaces cached content: the file is dataless again, its cache file is
@@ -87,13 +82,13 @@ import UbiqIndex
       try b.pull()
       let g = try b.inode("g")!
       try b.core.download(g)
-      try check(try state(b, g) == "cached", "downloaded on b: \(try state(b, g))")
+      try checkThat(try state(b, g) == "cached", "downloaded on b: \(try state(b, g))")
       try a.writeFile("g", Data("two!".utf8))
       try a.drainUploads()
       try b.pull()
-      try check(try state(b, g) == "dataless", "replaced remotely: \(try state(b, g))")
-      try check(b.core.cache.cachedContent(g, size: 4) == .missing, "the old cache file is gone")
-      try check(try b.readFile("g") == Data("two!".utf8), "the new version is read")
+      try checkThat(try state(b, g) == "dataless", "replaced remotely: \(try state(b, g))")
+      try checkThat(b.core.cache.cachedContent(g, size: 4) == .missing, "the old cache file is gone")
+      try checkThat(try b.readFile("g") == Data("two!".utf8), "the new version is read")
     }
   }
 
@@ -110,14 +105,14 @@ import UbiqIndex
     try b.pull()
     let p = try b.inode("p")!
     try b.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
-    try check(try state(b, p) == "cached", "pinned: \(try state(b, p))")
+    try checkThat(try state(b, p) == "cached", "pinned: \(try state(b, p))")
     try a.writeFile("p", Data(repeating: 2, count: 60_000))
     try a.drainUploads()
     try b.pull()
     let deadline = Date().addingTimeInterval(10)
     while try state(b, p) != "cached" && Date() < deadline { usleep(10_000) }
-    try check(try state(b, p) == "cached", "the new version of a pinned file: \(try state(b, p))")
-    try check(try b.core.getattr(p).blocks > 0, "its blocks are here")
+    try checkThat(try state(b, p) == "cached", "the new version of a pinned file: \(try state(b, p))")
+    try checkThat(try b.core.getattr(p).blocks > 0, "its blocks are here")
   }
 
   /// A reader keeps the old version's bytes through its descriptor when another device's
@@ -137,10 +132,10 @@ import UbiqIndex
     try b.writeFile("f", Data("the new version\n".utf8))
     try b.drainUploads()
     try a.pull()
-    try check(
+    try checkThat(
       try a.core.getattr(f).size == 16, "size with the old version's reader open: \(try a.core.getattr(f).size)")
-    try check(try a.readFile("f") == Data("the new version\n".utf8), "a new open reads the new version")
-    try check(try a.core.read(reader, offset: 0, size: 100) == Data("x".utf8), "the reader keeps the old bytes")
+    try checkThat(try a.readFile("f") == Data("the new version\n".utf8), "a new open reads the new version")
+    try checkThat(try a.core.read(reader, offset: 0, size: 100) == Data("x".utf8), "the reader keeps the old bytes")
   }
 
   /// A pinned file whose download a crash stopped (dataless, its cache file gone) is fetched
@@ -160,7 +155,7 @@ import UbiqIndex
     try w.crashAndRestart()
     let deadline = Date().addingTimeInterval(10)
     while try state(w, p) != "cached" && Date() < deadline { usleep(10_000) }
-    try check(try state(w, p) == "cached", "after the restart: \(try state(w, p))")
+    try checkThat(try state(w, p) == "cached", "after the restart: \(try state(w, p))")
   }
 
   /// `echo new > f` opens with O_TRUNC, then writes. An upload that runs between the two must
@@ -191,12 +186,12 @@ import UbiqIndex
       }
       try w.drainUploadsOnce()
       let size = try cloudItem()?.size
-      try check(size != 0, "\(truncation): the cloud got the empty file before the writer wrote")
+      try checkThat(size != 0, "\(truncation): the cloud got the empty file before the writer wrote")
       let data = Data("new content by \(truncation)\n".utf8)
       _ = try data.withUnsafeBytes { try w.core.write(h, $0, offset: 0) }
       w.core.release(h)
       try w.drainUploads()
-      try check(try cloudItem()?.size == Int64(data.count), "\(truncation): the written version is uploaded")
+      try checkThat(try cloudItem()?.size == Int64(data.count), "\(truncation): the written version is uploaded")
     }
     // A new file: nothing reaches the cloud before its creator's writes.
     let (a, opened) = try w.core.create(parent: w.documents, name: "new", mode: 0o644, caller: Caller.current)
@@ -204,10 +199,10 @@ import UbiqIndex
     let id = try w.index.item(a.inode)!.itemID
     let cloud = w.cloud
     let container = w.container
-    try check(try runBlocking { try await cloud.item(container, itemID: id) } == nil, "the new file went up empty")
+    try checkThat(try runBlocking { try await cloud.item(container, itemID: id) } == nil, "the new file went up empty")
     _ = try Data("first words\n".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
     w.core.release(opened.handle)
     try w.drainUploads()
-    try check(try runBlocking { try await cloud.item(container, itemID: id) }?.size == 12, "the new file's content")
+    try checkThat(try runBlocking { try await cloud.item(container, itemID: id) }?.size == 12, "the new file's content")
   }
 }

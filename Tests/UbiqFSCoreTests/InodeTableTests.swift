@@ -13,12 +13,6 @@ import UbiqSync
 /// the inode, and its going never loses what a writer, an upload snapshot or the page cache
 /// relies on.
 @Suite(.serialized) struct InodeTableTests {
-  /// A failed check on a thread of its own (`onOwnThread`), where `#expect` has no test to
-  /// report to: it throws, and the error fails the test.
-  static func check(_ condition: Bool, _ what: String) throws {
-    if !condition { throw UbiqError.io("check failed: \(what)") }
-  }
-
   @Test func aStateGoesWhenTheKernelForgetsTheInodeAndItsLastHandleCloses() async throws {
     try await onOwnThread { try Self.stateGoesWhenTheKernelForgetsTheInode() }
   }
@@ -29,14 +23,14 @@ import UbiqSync
     w.core.entriesHanded(a.inode)
     _ = try Data("hello".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
     w.core.release(opened.handle)
-    try check(w.core.inodes.count == 1, "the kernel still holds an entry")
+    try checkThat(w.core.inodes.count == 1, "the kernel still holds an entry")
     w.core.entriesHanded(a.inode, count: 2)
     w.core.forget(a.inode, count: 2)
-    try check(w.core.inodes.count == 1, "two entries handed and forgotten, one left")
+    try checkThat(w.core.inodes.count == 1, "two entries handed and forgotten, one left")
     w.core.forget(a.inode, count: 1)
-    try check(w.core.inodes.count == 0, "forgotten and closed")
-    try check(try w.readFile("f") == Data("hello".utf8), "the content")
-    try check(w.core.inodes.count == 0, "a closed handle leaves nothing behind")
+    try checkThat(w.core.inodes.count == 0, "forgotten and closed")
+    try checkThat(try w.readFile("f") == Data("hello".utf8), "the content")
+    try checkThat(w.core.inodes.count == 0, "a closed handle leaves nothing behind")
   }
 
   @Test func manyFilesWrittenAndClosedLeaveNoStateBehind() async throws {
@@ -44,7 +38,7 @@ import UbiqSync
       let w = try CoreWorld()
       for i in 0..<200 { try w.writeFile("f\(i)", Data("\(i)".utf8)) }
       try w.drainUploads()
-      try Self.check(w.core.inodes.count == 0, "\(w.core.inodes.count) states left")
+      try checkThat(w.core.inodes.count == 0, "\(w.core.inodes.count) states left")
     }
   }
 
@@ -130,8 +124,8 @@ import UbiqSync
       w.core.entriesHanded(a.inode, count: 2)
       w.core.release(opened.handle)
       try w.core.unlink(parent: w.documents, name: "gone")
-      try Self.check(w.core.inodes.forget(a.inode, count: 2) == 0, "forgets of a deleted item beyond its count")
-      try Self.check(w.core.inodes.count == 0, "nothing left once the kernel forgot it")
+      try checkThat(w.core.inodes.forget(a.inode, count: 2) == 0, "forgets of a deleted item beyond its count")
+      try checkThat(w.core.inodes.count == 0, "nothing left once the kernel forgot it")
     }
   }
 }
