@@ -106,6 +106,7 @@ public final class Daemon {
     puller.onRecovered = {
       try? index.retryAllNow()
       worker.kick()
+      downloader.retryFailedBackgroundFetches()
     }
     let session = FuseSession(core: fs, mountpoint: mountpoint, logger: log)
     try session.mount(fsname: "ubiqfs:\(container.rawValue)")
@@ -170,6 +171,7 @@ public final class Daemon {
       await puller.stop()
       await worker.stop()
     }
+    downloader.stopAll()
     do {
       try fs.removeForgottenContent()
     } catch {

@@ -17,7 +17,8 @@ extension FilesystemCore {
         // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
         continue
       case .deleted:
-        if !inodes.isOpen(inode) { forgetContent(inode) }
+        // As after a local unlink: an open file lives on until its last close.
+        if let row = r.removed { dispose(row) }
       default:
         // Replaced content was already dropped under the inode lock by whoever applied the
         // change (ChangePuller, UploadWorker); here only the kernel learns of it.

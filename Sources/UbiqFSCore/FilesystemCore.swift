@@ -154,10 +154,7 @@ public final class FilesystemCore: @unchecked Sendable {
       func truncate() throws {
         // Through a handle that may write (ftruncate), the truncation is that handle's write: the
         // upload waits for its flush, as after an open with O_TRUNC.
-        if let open, open.writable, !open.dirty {
-          try content.writeBegins(inode)
-          open.dirty = true
-        }
+        if let open, open.writable { try handleBeginsWriting(open) }
         try truncateContent(inode, to: size, through: open?.fd)
       }
       if size != 0 {
@@ -450,7 +447,7 @@ public final class FilesystemCore: @unchecked Sendable {
     let file = OpenFile(inode: row.id!, fd: fd, writable: true)
     // Until its creator's first flush the file is that writer's: the upload waits for it, so
     // the empty file between the create and the writes never leaves the device.
-    if (try? inodes.withInodeLock(row.id!, { try content.writeBegins(row.id!) })) != nil { file.dirty = true }
+    try? inodes.withInodeLock(row.id!) { try handleBeginsWriting(file) }
     let h = handles.add(file)
     file.epoch = inodes.opened(row.id!, handle: h, fd: fd, writable: true)
     return (attributes(for: row), OpenedFile(handle: h, keepCache: true))
@@ -555,11 +552,15 @@ public final class FilesystemCore: @unchecked Sendable {
       inodes.beginWrite(f.inode, handleWasClean: false)
       return
     }
-    try inodes.withInodeLock(f.inode) {
-      if f.dirty {
-        inodes.beginWrite(f.inode, handleWasClean: false)
-        return
-      }
+    try inodes.withInodeLock(f.inode) { try handleBeginsWriting(f) }
+  }
+
+  /// `beginWrite` under the inode lock: a clean handle becomes dirty (`FileContent.writeBegins`),
+  /// a dirty one moves the generation.
+  func handleBeginsWriting(_ f: OpenFile) throws {
+    if f.dirty {
+      inodes.beginWrite(f.inode, handleWasClean: false)
+    } else {
       try content.writeBegins(f.inode)
       f.dirty = true
     }

@@ -19,10 +19,15 @@ public struct RemoteApplyResult: Sendable {
   public var inode: Int64?
   /// (parent inode, name) entries the kernel may have cached and must forget.
   public var staleEntries: [(Int64, String)] = []
-  public init(outcome: Outcome, inode: Int64? = nil, staleEntries: [(Int64, String)] = []) {
+  /// The row a `deleted` outcome removed (a handle may still hold its file open).
+  public var removed: ItemRow?
+  public init(
+    outcome: Outcome, inode: Int64? = nil, staleEntries: [(Int64, String)] = [], removed: ItemRow? = nil
+  ) {
     self.outcome = outcome
     self.inode = inode
     self.staleEntries = staleEntries
+    self.removed = removed
   }
 }
 
@@ -87,7 +92,8 @@ extension IndexStore {
     case (.delete, let id?):
       try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [id])
       return RemoteApplyResult(
-        outcome: .deleted, inode: id, staleEntries: local.flatMap { row in row.parent.map { [($0, row.name)] } } ?? [])
+        outcome: .deleted, inode: id, staleEntries: local.flatMap { row in row.parent.map { [($0, row.name)] } } ?? [],
+        removed: local)
     case (.apply, _):
       return try self.applyRecord(db, r, to: local, uid: uid, gid: gid, collisions: collisions)
     case (.alreadyApplied, _), (.keepFolderAndUploadIt, nil), (.delete, nil):

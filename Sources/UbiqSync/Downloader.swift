@@ -402,11 +402,20 @@ public final class Downloader: @unchecked Sendable {
   public var limiter: RateLimiter?
   /// Called when a file's content became fully cached (its st_blocks changed).
   public var onCached: (Int64) -> Void = { _ in }
+  /// Background fetches (`fetchInBackground`) running at once; the others wait their turn.
+  public var backgroundFetchLimit = 2
+  /// The pause before a failed background fetch is tried again; it doubles with each failure
+  /// in a row, up to `maximumBackgroundRetryDelayNs`.
+  public var backgroundRetryDelayNs: UInt64 = 30_000_000_000
+  public var maximumBackgroundRetryDelayNs: UInt64 = 600_000_000_000
   private let lock = NSLock()
   private var streams: [Int64: ContentStream] = [:]
   private var failures: [Int64: String] = [:]
   private var fetched: Int64 = 0
   private var fetching = 0
+  private var background = BackgroundFetches()
+  /// Set by `stopAll`: nothing starts any more.
+  private var shutDown = false
 
   public init(
     index: IndexStore, cache: ContentCache, cloud: CloudService, inodes: InodeTable, logger: Logger
@@ -423,7 +432,10 @@ public final class Downloader: @unchecked Sendable {
 
   /// The last download error of an inode, if its last download failed.
   public func lastError(_ inode: Int64) -> String? { lock.withLock { failures[inode] } }
-  public func isDownloading(_ inode: Int64) -> Bool { lock.withLock { streams[inode] != nil } }
+  /// Whether a download of `inode` runs or waits for its turn in the background queue.
+  public func isDownloading(_ inode: Int64) -> Bool {
+    lock.withLock { streams[inode] != nil || background.isWaiting(inode) || background.running[inode] != nil }
+  }
   public func percent(_ inode: Int64) -> Int? { lock.withLock { streams[inode] }?.percent }
   /// Bytes of content fetched from the cloud since the mount.
   public var bytesFetched: Int64 { lock.withLock { fetched } }
@@ -541,16 +553,86 @@ public final class Downloader: @unchecked Sendable {
     throw UbiqError.busy("the item keeps changing; try again")
   }
 
-  /// Starts downloading the whole content of `inode` without waiting for it (a pinned file's
-  /// new version). Runs under the inode lock. A failure shows in `lastError`; the next open
-  /// or `download` tries again.
-  public func fetchWholeFile(_ inode: Int64) {
-    do {
-      guard let s = try stream(inode) else { return }
-      s.requestWholeFile()
+  /// Fetches the whole content of `inode` in the background: a pinned file's new version, or
+  /// one a crash left dataless. Queued, at most `backgroundFetchLimit` run at once; when its
+  /// turn comes, a file no longer pinned, no longer dataless or gone is skipped. A failed fetch
+  /// shows in `lastError` and is tried again after a pause (`backgroundRetryDelayNs`), or at
+  /// once by `retryFailedBackgroundFetches`. Returns at once; any lock may be held.
+  public func fetchInBackground(_ inode: Int64) {
+    guard
+      lock.withLock({ () -> Bool in
+        if !shutDown { background.add(inode) }
+        return !shutDown
+      })
+    else { return }
+    Task.detached { [self] in startBackgroundFetches() }
+  }
+
+  /// Tries again every failed background fetch now (the cloud is reachable again).
+  public func retryFailedBackgroundFetches() {
+    lock.withLock { background.retryFailed() }
+    startBackgroundFetches()
+  }
+
+  /// Background fetches that run now.
+  public var runningBackgroundFetches: Int { lock.withLock { background.running.count } }
+
+  /// Starts queued background fetches while there is room.
+  private func startBackgroundFetches() {
+    while let inode = lock.withLock({ shutDown ? nil : background.nextToStart(limit: backgroundFetchLimit) }) {
+      // Under the inode lock: creating the download's cache file is a content transition.
+      let started = inodes.withInodeLock(inode) { () -> ContentStream? in
+        do {
+          guard let row = try index.item(inode), row.kind == .file, row.pinned, row.content == .dataless,
+            let s = try stream(inode)
+          else { return nil }
+          s.requestWholeFile()
+          return s
+        } catch {
+          log.warning("download of inode \(inode) could not start: \(error)")
+          lock.withLock { failures[inode] = "\(error)" }
+          return nil
+        }
+      }
+      lock.withLock { background.started(inode, started) }
+      if let started { schedule(started) }
+    }
+  }
+
+  /// A download ended: if it was a background fetch, its slot frees and the next one starts; a
+  /// failed one is tried again after its pause.
+  private func backgroundFetchEnded(_ s: ContentStream, failed: Bool) {
+    let retryAfter = lock.withLock { () -> UInt64? in
+      guard background.ended(s, failed: failed) else { return nil }
+      return failed
+        ? background.retryDelay(base: backgroundRetryDelayNs, maximum: maximumBackgroundRetryDelayNs, inode: s.inode)
+        : nil
+    }
+    if let retryAfter {
+      Task.detached { [self] in
+        try? await Task.sleep(nanoseconds: retryAfter)
+        lock.withLock { background.retry(s.inode) }
+        startBackgroundFetches()
+      }
+    }
+    startBackgroundFetches()
+  }
+
+  /// Stops every download and background fetch for good (at unmount, before the index
+  /// closes; a simulated crash): once this returns, no chunk is written and no file is marked
+  /// cached any more. Readers still waiting read their files as they are.
+  public func stopAll() {
+    let running = lock.withLock { () -> [ContentStream] in
+      shutDown = true
+      background = BackgroundFetches()
+      return Array(streams.values)
+    }
+    for s in running {
+      // Under the inode lock: a completion either ran wholly before, or finds the download
+      // gone and marks nothing.
+      inodes.withInodeLock(s.inode) { lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } } }
+      s.stop()
       schedule(s)
-    } catch {
-      log.warning("download of inode \(inode) could not start: \(error)")
     }
   }
 
@@ -609,6 +691,9 @@ public final class Downloader: @unchecked Sendable {
     }
     lock.withLock { if streams[s.inode] === s { streams[s.inode] = nil } }
     s.markFinished()
+    var failed = false
+    if case .failed = ending { failed = true }
+    backgroundFetchEnded(s, failed: failed)
   }
 
   /// Fetches chunk `i` and marks it done, or fails the stream.
@@ -654,5 +739,71 @@ public final class Downloader: @unchecked Sendable {
         }
       }
     }
+  }
+}
+
+/// The queue of background fetches: files waiting for their turn (in order), those running
+/// (by the download each runs through) and those whose last fetch failed (with the number of
+/// failures in a row). A value guarded by the `Downloader`'s lock.
+struct BackgroundFetches {
+  private(set) var waiting: [Int64] = []
+  private var waitingSet: Set<Int64> = []
+  /// A reserved slot (nil) until the download is made, then the download.
+  private(set) var running: [Int64: ContentStream?] = [:]
+  private(set) var failed: [Int64: Int] = [:]
+
+  func isWaiting(_ inode: Int64) -> Bool { waitingSet.contains(inode) }
+
+  /// Queues `inode`, unless it waits already.
+  mutating func add(_ inode: Int64) {
+    if waitingSet.insert(inode).inserted { waiting.append(inode) }
+  }
+
+  /// The next file to fetch, its slot reserved; nil when `limit` fetches run or none waits. A
+  /// file whose previous fetch still runs waits for it to end.
+  mutating func nextToStart(limit: Int) -> Int64? {
+    guard running.count < limit, let i = waiting.firstIndex(where: { running[$0] == nil }) else { return nil }
+    let inode = waiting.remove(at: i)
+    waitingSet.remove(inode)
+    running[inode] = .some(nil)
+    return inode
+  }
+
+  /// The reserved slot of `inode` got its download (nil: nothing to fetch; the slot frees). A
+  /// download that already finished frees it too.
+  mutating func started(_ inode: Int64, _ s: ContentStream?) {
+    if let s, !s.finished {
+      running[inode] = .some(s)
+    } else {
+      running[inode] = nil
+      // Nothing to fetch any more (cached, unpinned, gone): no retry either.
+      if s == nil { failed[inode] = nil }
+    }
+  }
+
+  /// `s` ended; true if it was a background fetch (its slot frees).
+  mutating func ended(_ s: ContentStream, failed didFail: Bool) -> Bool {
+    guard case .some(let r) = running[s.inode], r === s else { return false }
+    running[s.inode] = nil
+    if didFail { failed[s.inode, default: 0] += 1 } else { failed[s.inode] = nil }
+    return true
+  }
+
+  /// The pause before the next try of a file that failed: `base` doubled for each failure in
+  /// a row after the first, at most `maximum`.
+  func retryDelay(base: UInt64, maximum: UInt64, inode: Int64) -> UInt64 {
+    let shift = min(20, max(0, (failed[inode] ?? 1) - 1))
+    let (d, overflow) = base.multipliedReportingOverflow(by: UInt64(1) << UInt64(shift))
+    return overflow ? maximum : min(maximum, d)
+  }
+
+  /// Queues a failed file again (its pause is over).
+  mutating func retry(_ inode: Int64) {
+    if failed[inode] != nil { add(inode) }
+  }
+
+  /// Queues every failed file again.
+  mutating func retryFailed() {
+    for inode in failed.keys.sorted() { add(inode) }
   }
 }

@@ -211,7 +211,7 @@ public struct FileContent: Sendable {
     downloads?.detach(inode)
     inodes.contentReplaced(inode)
     if let row = try? index.item(inode), row.pinned, row.content == .dataless {
-      downloads?.fetchWholeFile(inode)
+      downloads?.fetchInBackground(inode)
     }
   }
 
@@ -219,9 +219,7 @@ public struct FileContent: Sendable {
   /// unmount stopped its download). Runs when the mount starts.
   public func fetchPinnedFiles() throws {
     guard let downloads else { return }
-    for inode in try index.pinnedDatalessFiles() {
-      inodes.withInodeLock(inode) { downloads.fetchWholeFile(inode) }
-    }
+    for inode in try index.pinnedDatalessFiles() { downloads.fetchInBackground(inode) }
   }
 
   /// The cache file of `inode` was fdatasync'ed after `revision` was recorded (an fsync, or

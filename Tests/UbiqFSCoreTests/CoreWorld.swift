@@ -100,6 +100,7 @@ final class CoreWorld: @unchecked Sendable {
 
   /// A crash: every handle is dropped without flush or release, and everything in memory goes.
   func crashAndRestart() throws {
+    stopBackgroundWork()
     core = nil
     worker = nil
     downloader = nil
@@ -111,6 +112,7 @@ final class CoreWorld: @unchecked Sendable {
   /// A power loss of the state folder: everything in memory goes, and the index files are put
   /// back as they were when `restoringIndex` was read (nil: the file did not exist).
   func crashAndRestart(restoringIndex files: [(String, Data?)]) throws {
+    stopBackgroundWork()
     core = nil
     worker = nil
     downloader = nil
@@ -124,6 +126,13 @@ final class CoreWorld: @unchecked Sendable {
       if let data { try data.write(to: url) }
     }
     try start()
+  }
+
+  /// What a crash ends that would outlive the dropped objects here: the downloads, which run
+  /// as tasks of their own and would otherwise write into the restarted device's cache files
+  /// and index.
+  private func stopBackgroundWork() {
+    downloader?.stopAll()
   }
 
   /// Uploads everything queued (the upload delay is 0 here).

@@ -246,6 +246,64 @@ import UbiqIndex
       try Self.waitUntil("no fetch is left", within: 10) { b.downloader.activeFetches == 0 }
     }
   }
+
+  /// Pinning many files and then getting a new version of each from another device (or a
+  /// crash that left them dataless) starts their background fetches a few at a time: each
+  /// running fetch holds a descriptor and a share of the link. The others show as
+  /// downloading and are fetched in turn.
+  @Test func pinnedFilesAreFetchedInTheBackgroundAFewAtATime() async throws {
+    try await onOwnThread {
+      let count = 6
+      var files: [String: Data] = [:]
+      for i in 0..<count { files["p\(i)"] = Self.noise(1 << 20, seed: UInt64(10 + i)) }
+      let (a, b, cloud) = try Self.evictedOnB(files)
+      defer { withExtendedLifetime(a) {} }
+      for name in files.keys {
+        try b.core.setxattr(try b.inode(name)!, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
+      }
+      cloud.chunkReadsHang = true
+      for i in 0..<count { try a.writeFile("p\(i)", Self.noise(1 << 20, seed: UInt64(20 + i))) }
+      try a.drainUploads()
+      try b.pull()
+      // One chunk in flight per running fetch: its first chunk goes alone.
+      try Self.waitUntil("the first fetches run") { b.downloader.activeFetches == 2 }
+      usleep(300_000)
+      try checkThat(b.downloader.activeFetches == 2, "fetches running at once: \(b.downloader.activeFetches)")
+      for i in 0..<count {
+        let state = try FileContentTests.state(b, try b.inode("p\(i)")!)
+        try checkThat(state == "downloading", "p\(i) waiting for its fetch shows \(state)")
+      }
+      cloud.chunkReadsHang = false
+      for i in 0..<count {
+        let inode = try b.inode("p\(i)")!
+        try Self.waitUntil("p\(i) is fetched") { try FileContentTests.state(b, inode) == "cached" }
+        try checkThat(
+          try b.readFile("p\(i)") == Self.noise(1 << 20, seed: UInt64(20 + i)), "p\(i) holds its new version")
+      }
+    }
+  }
+
+  /// A pinned file's background fetch that failed (the cloud unreachable) is tried again
+  /// later without anyone opening the file, so the file is available offline once the cloud
+  /// was back for a while.
+  @Test func aPinnedFilesFailedFetchIsTriedAgain() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try Self.evictedOnB(["p": Self.noise(1 << 20, seed: 30)])
+      defer { withExtendedLifetime(a) {} }
+      let p = try b.inode("p")!
+      try b.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
+      b.downloader.stallTimeoutNs = 300_000_000
+      b.downloader.backgroundRetryDelayNs = 200_000_000
+      cloud.chunkReadsFail = true
+      try a.writeFile("p", Self.noise(1 << 20, seed: 31))
+      try a.drainUploads()
+      try b.pull()
+      try Self.waitUntil("the fetch fails") { try FileContentTests.state(b, p) == "error" }
+      cloud.chunkReadsFail = false
+      try Self.waitUntil("the fetch is tried again", within: 10) { try FileContentTests.state(b, p) == "cached" }
+      try checkThat(try b.readFile("p") == Self.noise(1 << 20, seed: 31), "the new version is here")
+    }
+  }
 }
 
 /// A result handed from one thread to another.

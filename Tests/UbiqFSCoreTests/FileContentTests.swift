@@ -138,6 +138,33 @@ import UbiqIndex
     try checkThat(try a.core.read(reader, offset: 0, size: 100) == Data("x".utf8), "the reader keeps the old bytes")
   }
 
+  /// A file another device deleted while a handle here holds it open stays readable, and
+  /// answers fstat, through that handle, as after a local unlink; its cache file goes at the
+  /// last close, not at the next mount.
+  @Test func aFileDeletedRemotelyWhileOpenLivesUntilItsLastClose() async throws {
+    try await onOwnThread { try Self.deletedRemotelyWhileOpen() }
+  }
+
+  static func deletedRemotelyWhileOpen() throws {
+    let (a, b, _) = try CoreWorld.pair()
+    try a.writeFile("f", Data("old bytes".utf8))
+    try a.drainUploads()
+    try b.pull()
+    let f = try b.inode("f")!
+    try b.core.download(f)
+    let reader = try b.core.open(f, flags: O_RDONLY, caller: Caller.current).handle
+    try a.core.remove(parent: a.documents, name: "f", directory: false)
+    try a.drainUploads()
+    try b.pull()
+    try checkThat(try b.inode("f") == nil, "the name is gone")
+    try checkThat(try b.core.read(reader, offset: 0, size: 100) == Data("old bytes".utf8), "read through the handle")
+    let size = try b.core.getattr(f).size
+    try checkThat(size == 9, "fstat through the handle: \(size)")
+    b.core.release(reader)
+    try b.core.removeForgottenContent()
+    try checkThat(b.core.cache.cachedContent(f, size: 9) == .missing, "the cache file goes at the last close")
+  }
+
   /// A pinned file whose download a crash stopped (dataless, its cache file gone) is fetched
   /// when the mount starts again.
   @Test func aPinnedFileLeftDatalessIsFetchedAtTheNextMount() async throws {

@@ -353,6 +353,8 @@ final class ModelRun {
           residency[id] = .here
         } else {
           pinned.remove(id)
+          // A fetch still waiting for its turn is dropped; one already running goes on.
+          if residency[id] == .fetching { residency[id] = .unsure }
         }
       }
     case 19:  // another device replaces the file's content; nothing here has it open
@@ -472,7 +474,23 @@ final class ModelRun {
     }
     try walk(world.documents, "")
     let want = model.visibleTree
-    #expect(seen == want, "\(step): tree differs; steps: \(log)")
+    #expect(seen == want, "\(step): tree differs (\(Self.differences(seen, want))); steps: \(log)")
+  }
+
+  /// The paths whose presence, kind or bytes differ, with where their bytes first differ.
+  static func differences(_ seen: [String: Data?], _ want: [String: Data?]) -> String {
+    Set(seen.keys).union(want.keys).sorted().compactMap { path -> String? in
+      switch (seen[path], want[path]) {
+      case (nil, _): return "\(path) missing"
+      case (_, nil): return "\(path) unexpected"
+      case (.some(let a), .some(let b)) where a != b:
+        guard let a, let b else { return "\(path) kind" }
+        let (x, y) = (Array(a), Array(b))
+        let at = (0..<min(x.count, y.count)).first { x[$0] != y[$0] } ?? min(x.count, y.count)
+        return "\(path): \(a.count) bytes, want \(b.count), first differs at \(at)"
+      default: return nil
+      }
+    }.joined(separator: ", ")
   }
 
   func contentState(_ inode: Int64) throws -> String {
@@ -531,6 +549,9 @@ final class ModelRun {
     [(0, 2, 0, 0), (18, 2, 0, 0), (19, 2, 0, 0), (18, 2, 0, 47), (9, 2, 2, 1649)],
     // The same, evicted while its new version may still be arriving.
     [(0, 1, 0, 0), (18, 1, 0, 4904), (19, 1, 0, 9890), (9, 1, 4, 3483)],
+    // A pinned file's new version is being fetched at a crash: the fetch of the stopped
+    // device must not mark the file cached under the restarted device's download.
+    [(0, 1, 0, 0), (0, 0, 0, 0), (18, 1, 0, 0), (1, 2, 1, 2611), (19, 1, 3, 0), (14, 1, 0, 2718), (1, 1, 1, 4330)],
     // A reader holds a file changed remotely open; the file is renamed, then written.
     [(0, 2, 0, 0), (19, 2, 0, 0), (10, 2, 0, 7), (4, 2, 0, 0), (9, 0, 0, 0), (1, 0, 0, 2)],
   ]
@@ -550,28 +571,83 @@ final class ModelRun {
     await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...60)) { steps in
       // The core is synchronous and blocks on async work inside: run it on a thread of its own,
       // never on one of the few threads of Swift's cooperative pool.
-      try await onOwnThread {
-        let run = try ModelRun()
-        for step in steps { try run.run(step) }
-        try run.finish()
+      await recordingThrownErrors {
+        try await onOwnThread {
+          let run = try ModelRun()
+          for step in steps { try run.run(step) }
+          try run.finish()
+        }
       }
     }
     print("model stats: \(ModelRun.stats)")
   }
 }
 
-/// Runs blocking work on a new thread and waits for it without blocking the caller's thread.
+/// Runs a property's body and records what it throws as an issue. `propertyCheck` counts the
+/// issues a body records and drops an error it throws: without this, a failed `checkThat` or
+/// an unexpected error from the core would pass.
+func recordingThrownErrors(_ body: () async throws -> Void) async {
+  do {
+    try await body()
+  } catch {
+    Issue.record(error)
+  }
+}
+
+/// Runs blocking work on a thread of its own and waits for it without blocking the caller's
+/// thread. The work runs inside the calling task (on a task executor that owns the thread), so
+/// `#expect` in it reports to the running test, as it would on Swift's pool.
 func onOwnThread(_ body: @escaping @Sendable () throws -> Void) async throws {
-  try await withCheckedThrowingContinuation { (c: CheckedContinuation<Void, Error>) in
-    let t = Thread {
-      do {
-        try body()
-        c.resume()
-      } catch {
-        c.resume(throwing: error)
+  let thread = OwnThreadExecutor()
+  defer { thread.stop() }
+  try await withTaskExecutorPreference(thread) {
+    try await runHere(body)
+  }
+}
+
+/// Calls `body` on the current executor; nonisolated, so it runs on the preferred task executor.
+private nonisolated func runHere(_ body: @Sendable () throws -> Void) async throws {
+  try body()
+}
+
+/// A task executor with one thread of its own (8 MiB stack), for synchronous code that blocks.
+final class OwnThreadExecutor: TaskExecutor, @unchecked Sendable {
+  private let condition = NSCondition()
+  private var jobs: [UnownedJob] = []
+  private var stopped = false
+
+  init() {
+    let thread = Thread { [self] in runJobs() }
+    thread.stackSize = 8 << 20
+    thread.start()
+  }
+
+  func enqueue(_ job: UnownedJob) {
+    condition.lock()
+    jobs.append(job)
+    condition.signal()
+    condition.unlock()
+  }
+
+  /// Ends the thread once the jobs already queued have run.
+  func stop() {
+    condition.lock()
+    stopped = true
+    condition.signal()
+    condition.unlock()
+  }
+
+  private func runJobs() {
+    while true {
+      condition.lock()
+      while jobs.isEmpty && !stopped { condition.wait() }
+      if jobs.isEmpty {
+        condition.unlock()
+        return
       }
+      let job = jobs.removeFirst()
+      condition.unlock()
+      job.runSynchronously(on: asUnownedTaskExecutor())
     }
-    t.stackSize = 8 << 20
-    t.start()
   }
 }

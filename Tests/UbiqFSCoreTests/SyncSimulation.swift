@@ -118,7 +118,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     set { lock.withLock { chunkReadsFailing = newValue } }
   }
   private var chunkReadsFailing = false
-  /// While set, every chunk download hangs (an hour, or until its task is cancelled).
+  /// While set, every chunk download waits (until it is cleared, or its task is cancelled).
   var chunkReadsHang: Bool {
     get { lock.withLock { chunkReadsHanging } }
     set { lock.withLock { chunkReadsHanging = newValue } }
@@ -127,7 +127,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
 
   func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
     if chunkReadsFail { throw CloudError.unavailable("simulated: chunk read lost") }
-    if chunkReadsHang { try await Task.sleep(nanoseconds: 3_600_000_000_000) }
+    while chunkReadsHang { try await Task.sleep(nanoseconds: 10_000_000) }
     return try await inner.getChunk(hash: hash, range: range)
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
@@ -1001,10 +1001,12 @@ final class SyncSimulation {
   @Test func devicesConvergeWithNothingLost() async {
     print("sync simulation: \(Self.cases) random sequences of up to 40 steps on 3 devices (UBIQ_SIM_CASES)")
     await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...40)) { steps in
-      try await onOwnThread {
-        let sim = try SyncSimulation(devices: 3)
-        for step in steps { try sim.run(step) }
-        try sim.finish()
+      await recordingThrownErrors {
+        try await onOwnThread {
+          let sim = try SyncSimulation(devices: 3)
+          for step in steps { try sim.run(step) }
+          try sim.finish()
+        }
       }
     }
     print("sync simulation stats: \(SyncSimulation.stats)")
