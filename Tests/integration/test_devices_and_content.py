@@ -559,6 +559,28 @@ def test_a_pinned_file_changed_on_another_device_is_downloaded_again(ubiq, devic
     assert sha256_file(f2) == sha256(new)
 
 
+def test_a_file_deleted_on_another_device_stays_readable_through_an_open_descriptor(ubiq, device2):
+    """A player or `less` here keeps reading a file another device deletes, as after a local `rm`
+    (POSIX): the name goes, the descriptor reads and fstat answers until it is closed, and then
+    the local copy is freed (not left until the next mount)."""
+    data = os.urandom(200_000)
+    f1 = ubiq.docs / "talk.bin"
+    f1.write_bytes(data)
+    ubiq.sync()
+    f2 = device2.docs / "talk.bin"
+    wait_for(lambda: f2.exists() and f2.stat().st_size == len(data), timeout=15, what="the file on device 2")
+    cache_file = device2.container_dir() / "content" / str(os.stat(f2).st_ino)
+    with open(f2, "rb") as reader:
+        assert reader.read(1000) == data[:1000]
+        f1.unlink()
+        ubiq.sync()
+        wait_for(lambda: not f2.exists(), timeout=15, what="the delete on device 2")
+        assert os.fstat(reader.fileno()).st_size == len(data)
+        assert reader.read() == data[1000:]
+        assert cache_file.exists()
+    wait_for(lambda: not cache_file.exists(), timeout=15, what="the cache file freed after the last close")
+
+
 def test_a_new_version_from_another_device_shows_its_size_while_a_reader_holds_the_old_one(ubiq, device2):
     """`less f` on this device keeps the old version open while another device saves a longer
     one: `stat` and a new `cat` show the new version whole (a reader's descriptor of the old
