@@ -135,10 +135,13 @@ final class CoreWorld: @unchecked Sendable {
     downloader?.stopAll()
   }
 
-  /// Uploads everything queued (the upload delay is 0 here).
+  /// Uploads everything queued (the upload delay is 0 here), but for files a handle holds
+  /// unflushed writes of: their upload waits for the handle's flush, as on the mount.
   func drainUploads() throws {
     for _ in 0..<50 {
-      let due = try index.dueQueue(now: Int64.max / 2, limit: 64)
+      let due = try index.dueQueue(now: Int64.max / 2, limit: 64).filter { entry in
+        entry.item.map { core.inodes.dirtyHandleCount($0) == 0 } ?? true
+      }
       if due.isEmpty { return }
       let w = worker!
       _ = try runBlocking { await w.drain(due) }
