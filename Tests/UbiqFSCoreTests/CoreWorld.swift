@@ -34,7 +34,7 @@ final class CoreWorld: @unchecked Sendable {
     cloud: CloudService? = nil, cloudDirectory: URL? = nil, statementObserver: (@Sendable (String) -> Void)? = nil
   ) throws {
     self.statementObserver = statementObserver
-    root = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("ubiq-core-\(UUID().uuidString)")
+    root = Self.temporaryFolder("ubiq-core")
     try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
     var log = Logger(label: "core-test")
     log.logLevel = ProcessInfo.processInfo.environment["UBIQ_TEST_LOG"] != nil ? .debug : .critical
@@ -49,6 +49,14 @@ final class CoreWorld: @unchecked Sendable {
   }
 
   deinit { try? FileManager.default.removeItem(at: root) }
+
+  /// A folder under the temporary directory for one test, removed when the test process exits
+  /// (a world a test still holds, or one kept alive by a task, is never deinitialized).
+  static func temporaryFolder(_ prefix: String) -> URL {
+    let url = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("\(prefix)-\(UUID().uuidString)")
+    TemporaryFolders.shared.add(url)
+    return url
+  }
 
   /// Two devices of one account: `a` with its own embedded cloud (removed with `a`), `b` on it.
   static func pair() throws -> (a: CoreWorld, b: CoreWorld, cloud: CloudEngine) {
@@ -217,4 +225,21 @@ final class CoreWorld: @unchecked Sendable {
 /// test to report to: a failed one throws, and the error fails the test and names it.
 func checkThat(_ condition: Bool, _ what: String) throws {
   if !condition { throw UbiqError.io("check failed: \(what)") }
+}
+
+/// The temporary folders the tests made, removed at exit.
+final class TemporaryFolders: @unchecked Sendable {
+  static let shared: TemporaryFolders = {
+    let folders = TemporaryFolders()
+    atexit { TemporaryFolders.shared.removeAll() }
+    return folders
+  }()
+  private let lock = NSLock()
+  private var urls: [URL] = []
+
+  func add(_ url: URL) { lock.withLock { urls.append(url) } }
+
+  func removeAll() {
+    for url in lock.withLock({ urls }) { try? FileManager.default.removeItem(at: url) }
+  }
 }

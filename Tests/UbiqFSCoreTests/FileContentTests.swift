@@ -29,8 +29,7 @@ import UbiqIndex
   static func lifecycle() throws {
     let link = FlakyCloud(
       try CloudEngine.embedded(
-        directory: URL(fileURLWithPath: NSTemporaryDirectory())
-          .appendingPathComponent("fc-\(UUID().uuidString)")))
+        directory: CoreWorld.temporaryFolder("fc")))
     let w = try CoreWorld(cloud: link)
     // create + write: dirty while a handle holds unrecorded writes, still dirty once queued.
     let (a, opened) = try w.core.create(parent: w.documents, name: "f", mode: 0o644, caller: Caller.current)

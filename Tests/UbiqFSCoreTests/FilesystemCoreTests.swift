@@ -313,7 +313,7 @@ final class GatedCloud: CloudService, @unchecked Sendable {
   private var held = false
 
   init() {
-    let dir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("gated-\(UUID().uuidString)")
+    let dir = CoreWorld.temporaryFolder("gated")
     inner = try! CloudEngine.embedded(directory: dir)
   }
 
