@@ -212,13 +212,51 @@ extension IndexStore {
     }
   }
 
-  /// Items whose name matches a glob (`*`, `?`), with their container-relative paths.
+  /// Items whose name matches a glob (`*`, `?`, `[...]`), with their container-relative paths,
+  /// at most `limit`. A glob that starts with literal text reads the names that start so (the
+  /// name index); one that only ends with literal text (`*.txt`) reads the names that end so
+  /// (the reversed-name index); any other reads every name.
   public func find(glob: String, limit: Int) throws -> [(path: String, row: ItemRow)] {
     try pool.read { db in
-      let rows = try ItemRow.fetchAll(
-        db, sql: "SELECT * FROM items WHERE name GLOB ? AND id != ? ORDER BY id LIMIT ?",
-        arguments: [glob, Self.rootInode, limit])
+      let rows: [ItemRow]
+      if let range = Self.reversedNameRange(matching: glob) {
+        rows = try ItemRow.fetchAll(
+          db,
+          sql: """
+            SELECT * FROM items WHERE ubiq_reversed(name) >= ? AND ubiq_reversed(name) < ?
+              AND name GLOB ? AND id != ? LIMIT ?
+            """,
+          arguments: [range.lowerBound, range.upperBound, glob, Self.rootInode, limit])
+      } else {
+        rows = try ItemRow.fetchAll(
+          db, sql: "SELECT * FROM items WHERE name GLOB ? AND id != ? ORDER BY id LIMIT ?",
+          arguments: [glob, Self.rootInode, limit])
+      }
       return try rows.compactMap { r in try Self.path(db, r.id!).map { ($0, r) } }
     }
+  }
+
+  /// For a glob that starts with a wildcard and ends with literal text (no `[...]` class):
+  /// the range of reversed names that end with that text. Nil for any other glob.
+  static func reversedNameRange(matching glob: String) -> Range<String>? {
+    let wildcards: Set<Unicode.Scalar> = ["*", "?"]
+    let scalars = Array(glob.unicodeScalars)
+    guard let first = scalars.first, wildcards.contains(first), !scalars.contains("["), !scalars.contains("]")
+    else { return nil }
+    let suffix = scalars.reversed().prefix { !wildcards.contains($0) }
+    guard let last = suffix.last, let next = Self.scalar(after: last) else { return nil }
+    var lower = String.UnicodeScalarView()
+    lower.append(contentsOf: suffix)
+    var upper = String.UnicodeScalarView()
+    upper.append(contentsOf: suffix.dropLast())
+    upper.append(next)
+    return String(lower)..<String(upper)
+  }
+
+  /// The next Unicode scalar in code point order (past the surrogate gap); nil after the last.
+  private static func scalar(after s: Unicode.Scalar) -> Unicode.Scalar? {
+    var v = s.value + 1
+    if v == 0xD800 { v = 0xE000 }
+    return Unicode.Scalar(v)
   }
 }

@@ -21,6 +21,7 @@ public final class IndexStore: @unchecked Sendable {
     config.busyMode = .timeout(10)
     config.readonly = readOnly
     config.prepareDatabase { db in
+      db.add(function: Self.reversedNameFunction)
       if !readOnly { try db.cached("PRAGMA synchronous = NORMAL").execute() }
       if let statementObserver {
         db.trace(options: .statement) { event in
@@ -34,6 +35,20 @@ public final class IndexStore: @unchecked Sendable {
       pool = try DatabasePool(path: path, configuration: config)
       try Self.migrator.migrate(pool)
     }
+  }
+
+  /// `ubiq_reversed(name)`: the name with its Unicode scalars in reverse order (SQLite's GLOB
+  /// and its text order work on code points, so a glob ending in literal text is, reversed, a
+  /// prefix search). Registered on every connection; the index `items_by_reversed_name` uses it.
+  static let reversedNameFunction = DatabaseFunction("ubiq_reversed", argumentCount: 1, pure: true) { values in
+    String.fromDatabaseValue(values[0]).map(reversedScalars)
+  }
+
+  /// `s` with its Unicode scalars in reverse order.
+  static func reversedScalars(_ s: String) -> String {
+    var reversed = String.UnicodeScalarView()
+    reversed.append(contentsOf: s.unicodeScalars.reversed())
+    return String(reversed)
   }
 
   static var migrator: DatabaseMigrator {
@@ -115,6 +130,10 @@ public final class IndexStore: @unchecked Sendable {
     // a crash is fetched again).
     m.registerMigration("v11-pinned") { db in
       try db.execute(sql: "CREATE INDEX items_pinned ON items(kind, content) WHERE pinned = 1")
+    }
+    // Names read backwards: `ubiqfs find '*.txt'` reads only the names that end so.
+    m.registerMigration("v12-reversed-names") { db in
+      try db.execute(sql: "CREATE INDEX items_by_reversed_name ON items(ubiq_reversed(name))")
     }
     return m
   }
