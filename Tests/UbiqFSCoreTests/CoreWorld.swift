@@ -144,16 +144,20 @@ final class CoreWorld: @unchecked Sendable {
   }
 
   /// Uploads everything queued (the upload delay is 0 here), but for files a handle holds
-  /// unflushed writes of: their upload waits for the handle's flush, as on the mount.
+  /// unflushed writes of: their upload waits for the handle's flush, as on the mount. So may
+  /// an entry that needs such a file's move first (two names exchanged: each needs the
+  /// other's name in the cloud).
   func drainUploads() throws {
+    func heldByAWriter(_ entry: QueueEntry) -> Bool {
+      entry.item.map { core.inodes.dirtyHandleCount($0) > 0 } ?? false
+    }
     for _ in 0..<50 {
-      let due = try index.dueQueue(now: Int64.max / 2, limit: 64).filter { entry in
-        entry.item.map { core.inodes.dirtyHandleCount($0) == 0 } ?? true
-      }
+      let due = try index.dueQueue(now: Int64.max / 2, limit: 64).filter { !heldByAWriter($0) }
       if due.isEmpty { return }
       let w = worker!
       _ = try runBlocking { await w.drain(due) }
     }
+    if try index.dueQueue(now: Int64.max / 2, limit: 1000).contains(where: heldByAWriter) { return }
     throw UbiqError.busy("the upload queue does not drain")
   }
 

@@ -551,6 +551,9 @@ final class ModelRun {
     [(0, 1, 0, 0), (18, 1, 0, 4904), (19, 1, 0, 9890), (9, 1, 4, 3483)],
     // An upload waits for the flush of a handle holding writes; everything else drains.
     [(0, 2, 0, 0), (10, 2, 0, 0), (11, 0, 0, 0), (9, 0, 0, 0)],
+    // A folder and a file exchange names while the file's writer holds it: the folder's move
+    // waits for the file's, which waits for the writer's flush.
+    [(6, 2, 0, 0), (0, 1, 0, 0), (10, 1, 0, 0), (9, 0, 0, 0), (4, 2, 1, 2567), (11, 0, 0, 0), (9, 0, 0, 0)],
     // A pinned file's new version is being fetched at a crash: the fetch of the stopped
     // device must not mark the file cached under the restarted device's download.
     [(0, 1, 0, 0), (0, 0, 0, 0), (18, 1, 0, 0), (1, 2, 1, 2611), (19, 1, 3, 0), (14, 1, 0, 2718), (1, 1, 1, 4330)],
