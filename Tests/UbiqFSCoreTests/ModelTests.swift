@@ -59,6 +59,10 @@ final class ModelRun {
   var pending: Set<Int> = []
   var residency: [Int: ModelResidency] = [:]
   var pinned: Set<Int> = []
+  /// Files whose upload the last drain left queued because it needs a file that a writer holds
+  /// (that file's name in the cloud, or its move first): dirty, or showing the error of their
+  /// last try, and not evictable, until the writer flushes and a later drain.
+  var waiting: Set<Int> = []
   /// A second device on the same cloud, for changes made elsewhere (made at first use).
   var otherDevice: CoreWorld?
 
@@ -244,7 +248,7 @@ final class ModelRun {
         // A pinned file's fetch may end between the look and the eviction: still dataless (a
         // no-op), or cached and pinned (EBUSY).
         let fetching = residency[id] == .fetching && got == EBUSY
-        expectSame(got, refused || fetching ? EBUSY : 0, step)
+        expectSame(got, refused || fetching || waiting.contains(id) ? EBUSY : 0, step)
         if got == 0 { evictedHere(id) }
         ModelRun.stats["evict-all file", default: 0] += 1
         if got == 0, let a = try? resolve(path), a.blocks == 0, a.size > 0 {
@@ -263,7 +267,7 @@ final class ModelRun {
       let got = errno { try core.evict(try resolve(p).inode) }
       if got == 0, let id = model.paths[p] { evictedHere(id) }
       if got == 0, let a = try? resolve(p), a.blocks == 0, a.size > 0 { ModelRun.stats["evicted", default: 0] += 1 }
-      if got == EBUSY, let id = model.paths[p], residency[id] == .fetching { want = EBUSY }
+      if got == EBUSY, let id = model.paths[p], residency[id] == .fetching || waiting.contains(id) { want = EBUSY }
       expectSame(got, want, step)
     case 10:  // open and keep the handle
       guard held.count < 3 else { return }
@@ -406,10 +410,17 @@ final class ModelRun {
   func drainUploads() throws {
     try world.drainUploads()
     pending = pending.filter { id in held.contains { $0.node == id && $0.wrote } }
+    waiting = []
+    guard held.contains(where: { $0.wrote }) else { return }
+    for (path, id) in model.paths where model.nodes[id] != .directory && !pending.contains(id) {
+      if let inode = try world.inode(path), try world.index.queueEntry(forInode: inode) != nil { waiting.insert(id) }
+    }
+    if !waiting.isEmpty { ModelRun.stats["uploads waiting for a writer", default: 0] += 1 }
   }
 
   /// The content states `user.ubiq.content_state` may show for file node `id`.
   func expectedContentStates(_ id: Int) -> Set<String> {
+    if waiting.contains(id) { return ["dirty", "error"] }
     if pending.contains(id) || held.contains(where: { $0.node == id && $0.wrote }) { return ["dirty"] }
     switch residency[id] ?? .here {
     case .here: return ["cached"]
@@ -554,6 +565,9 @@ final class ModelRun {
     // A folder and a file exchange names while the file's writer holds it: the folder's move
     // waits for the file's, which waits for the writer's flush.
     [(6, 2, 0, 0), (0, 1, 0, 0), (10, 1, 0, 0), (9, 0, 0, 0), (4, 2, 1, 2567), (11, 0, 0, 0), (9, 0, 0, 0)],
+    // A file is renamed while its writer holds it, and a new file takes its old name: the new
+    // file's upload waits for the old one's move, which waits for the writer's flush.
+    [(0, 1, 0, 0), (9, 0, 0, 0), (10, 1, 0, 0), (4, 1, 0, 0), (0, 1, 0, 0), (11, 0, 0, 0), (9, 0, 0, 0)],
     // A pinned file's new version is being fetched at a crash: the fetch of the stopped
     // device must not mark the file cached under the restarted device's download.
     [(0, 1, 0, 0), (0, 0, 0, 0), (18, 1, 0, 0), (1, 2, 1, 2611), (19, 1, 3, 0), (14, 1, 0, 2718), (1, 1, 1, 4330)],
