@@ -219,7 +219,7 @@ extension IndexStore {
   public func find(glob: String, limit: Int) throws -> [(path: String, row: ItemRow)] {
     try pool.read { db in
       let rows: [ItemRow]
-      if let range = Self.reversedNameRange(matching: glob) {
+      if let range = Self.reversedNameBounds(matching: glob) {
         rows = try ItemRow.fetchAll(
           db,
           sql: """
@@ -237,8 +237,10 @@ extension IndexStore {
   }
 
   /// For a glob that starts with a wildcard and ends with literal text (no `[...]` class):
-  /// the range of reversed names that end with that text. Nil for any other glob.
-  static func reversedNameRange(matching glob: String) -> Range<String>? {
+  /// the bounds of the reversed names that end with that text. Nil for any other glob. SQLite
+  /// compares the bounds by code point; Swift compares strings by canonical equivalence, which
+  /// may order them otherwise, so they are no Swift `Range`.
+  static func reversedNameBounds(matching glob: String) -> (lowerBound: String, upperBound: String)? {
     let wildcards: Set<Unicode.Scalar> = ["*", "?"]
     let scalars = Array(glob.unicodeScalars)
     guard let first = scalars.first, wildcards.contains(first), !scalars.contains("["), !scalars.contains("]")
@@ -250,7 +252,7 @@ extension IndexStore {
     var upper = String.UnicodeScalarView()
     upper.append(contentsOf: suffix.dropLast())
     upper.append(next)
-    return String(lower)..<String(upper)
+    return (String(lower), String(upper))
   }
 
   /// The next Unicode scalar in code point order (past the surrogate gap); nil after the last.

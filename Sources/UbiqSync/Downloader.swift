@@ -447,6 +447,9 @@ public final class Downloader: @unchecked Sendable {
   /// under the inode lock (it may create the cache file).
   func stream(_ inode: Int64) throws -> ContentStream? {
     let (s, isNew) = try lock.withLock { () throws -> (ContentStream?, Bool) in
+      // Checked under the lock `stopAll` takes: a download is made before it (and stopped by
+      // it), or never.
+      if shutDown { throw UbiqError.unavailable("the mount is stopping") }
       guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
       if row.content == .cached { return (nil, false) }
       // A download of an older version (changed remotely meanwhile) serves its own readers.
@@ -581,6 +584,7 @@ public final class Downloader: @unchecked Sendable {
   private func startBackgroundFetches() {
     while let inode = lock.withLock({ shutDown ? nil : background.nextToStart(limit: backgroundFetchLimit) }) {
       // Under the inode lock: creating the download's cache file is a content transition.
+      var couldNotStart = false
       let started = inodes.withInodeLock(inode) { () -> ContentStream? in
         do {
           guard let row = try index.item(inode), row.kind == .file, row.pinned, row.content == .dataless,
@@ -591,11 +595,42 @@ public final class Downloader: @unchecked Sendable {
         } catch {
           log.warning("download of inode \(inode) could not start: \(error)")
           lock.withLock { failures[inode] = "\(error)" }
+          couldNotStart = true
           return nil
         }
       }
+      guard let started else {
+        // Nothing to fetch (cached, unpinned, gone), or the download could not start (no
+        // descriptor, a full disk): then it is tried again like a failed fetch.
+        let retryAfter = lock.withLock { () -> UInt64? in
+          let failed = couldNotStart && !shutDown
+          background.notStarted(inode, failed: failed)
+          return failed ? scheduleRetry(inode) : nil
+        }
+        if let retryAfter { retry(inode, after: retryAfter) }
+        continue
+      }
       lock.withLock { background.started(inode, started) }
-      if let started { schedule(started) }
+      schedule(started)
+    }
+  }
+
+  /// The pause before the next try of a failed background fetch, or nil if a try is already
+  /// scheduled. Under `lock`.
+  private func scheduleRetry(_ inode: Int64) -> UInt64? {
+    guard background.retryScheduled.insert(inode).inserted else { return nil }
+    return background.retryDelay(base: backgroundRetryDelayNs, maximum: maximumBackgroundRetryDelayNs, inode: inode)
+  }
+
+  /// Queues a failed background fetch again after `delay`.
+  private func retry(_ inode: Int64, after delay: UInt64) {
+    Task.detached { [self] in
+      try? await Task.sleep(nanoseconds: delay)
+      lock.withLock {
+        background.retryScheduled.remove(inode)
+        background.retry(inode)
+      }
+      startBackgroundFetches()
     }
   }
 
@@ -603,18 +638,10 @@ public final class Downloader: @unchecked Sendable {
   /// failed one is tried again after its pause.
   private func backgroundFetchEnded(_ s: ContentStream, failed: Bool) {
     let retryAfter = lock.withLock { () -> UInt64? in
-      guard background.ended(s, failed: failed) else { return nil }
-      return failed
-        ? background.retryDelay(base: backgroundRetryDelayNs, maximum: maximumBackgroundRetryDelayNs, inode: s.inode)
-        : nil
+      guard background.ended(s, failed: failed), failed, !shutDown else { return nil }
+      return scheduleRetry(s.inode)
     }
-    if let retryAfter {
-      Task.detached { [self] in
-        try? await Task.sleep(nanoseconds: retryAfter)
-        lock.withLock { background.retry(s.inode) }
-        startBackgroundFetches()
-      }
-    }
+    if let retryAfter { retry(s.inode, after: retryAfter) }
     startBackgroundFetches()
   }
 
@@ -769,16 +796,16 @@ struct BackgroundFetches {
     return inode
   }
 
-  /// The reserved slot of `inode` got its download (nil: nothing to fetch; the slot frees). A
-  /// download that already finished frees it too.
-  mutating func started(_ inode: Int64, _ s: ContentStream?) {
-    if let s, !s.finished {
-      running[inode] = .some(s)
-    } else {
-      running[inode] = nil
-      // Nothing to fetch any more (cached, unpinned, gone): no retry either.
-      if s == nil { failed[inode] = nil }
-    }
+  /// The reserved slot of `inode` got its download. A download that already finished frees it.
+  mutating func started(_ inode: Int64, _ s: ContentStream) {
+    running[inode] = s.finished ? nil : .some(s)
+  }
+
+  /// The reserved slot of `inode` frees without a download: `failed`, it could not start (it
+  /// is tried again); else there was nothing to fetch (no retry either).
+  mutating func notStarted(_ inode: Int64, failed didFail: Bool) {
+    running[inode] = nil
+    if didFail { failed[inode, default: 0] += 1 } else { failed[inode] = nil }
   }
 
   /// `s` ended; true if it was a background fetch (its slot frees).
@@ -797,9 +824,12 @@ struct BackgroundFetches {
     return overflow ? maximum : min(maximum, d)
   }
 
-  /// Queues a failed file again (its pause is over).
+  /// Failed files whose next try waits for its pause.
+  var retryScheduled: Set<Int64> = []
+
+  /// Queues a failed file again (its pause is over), unless it is being fetched already.
   mutating func retry(_ inode: Int64) {
-    if failed[inode] != nil { add(inode) }
+    if failed[inode] != nil && running[inode] == nil { add(inode) }
   }
 
   /// Queues every failed file again.

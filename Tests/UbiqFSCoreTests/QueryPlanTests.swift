@@ -95,7 +95,9 @@ import UbiqCore
     let statements = Mutex<Set<String>>([])
     try await onOwnThread {
       let w = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
-      for name in ["a.txt", "b.txt", "note99.txt", "x99.txt.bak", "cafe\u{301}.txt", "caf\u{e9}.txt", "README", "t"] {
+      for name in [
+        "a.txt", "b.txt", "note99.txt", "x99.txt.bak", "cafe\u{301}.txt", "caf\u{e9}.txt", "README", "t", "x\u{30A}A",
+      ] {
         try w.writeFile(name, Data())
       }
       _ = try w.core.mkdir(parent: w.documents, name: "sub", mode: 0o755, caller: .current)
@@ -103,6 +105,8 @@ import UbiqCore
       let globs = [
         "*.txt", "*99.txt", "*e\u{301}.txt", "*\u{e9}.txt", "*\u{301}.txt", "*?.txt", "*.nomatch", "*t", "?.txt", "*",
         "a*", "*[0-9].txt", "*\u{10FFFF}", "*\u{D7FF}",
+        // Canonically, "A\u{30A}" is "\u{C5}" and sorts after "A\u{30B}"; SQLite compares code points.
+        "*\u{30A}A",
       ]
       for glob in globs {
         let found = try w.index.find(glob: glob, limit: 100).map { String($0.path.split(separator: "/").last ?? "") }
