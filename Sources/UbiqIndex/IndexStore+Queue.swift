@@ -48,7 +48,7 @@ extension IndexStore {
   public func markUploaded(
     seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false
   ) throws {
-    let manifest = String(data: try JSONEncoder().encode(result.chunks), encoding: .utf8)
+    let manifest = ItemRow.json(result.chunks)
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == itemID

@@ -345,10 +345,14 @@ extension IndexStore {
   /// `manifest`; false (nothing changed) if the item's content changed meanwhile.
   public func markCached(_ inode: Int64, manifest: String?) throws -> Bool {
     try pool.write { db in
+      // The same chunks, however their manifest's text is written.
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.chunks == manifest || row.chunkList == ItemRow.chunkList(manifest)
+      else { return false }
       try db.execute(
-        sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ? AND chunks IS ?",
-        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode, manifest])
-      return db.changesCount > 0
+        sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ?",
+        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode])
+      return true
     }
   }
 

@@ -98,12 +98,24 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
     return all.isEmpty ? nil : json(all)
   }
 
+  /// The JSON the index stores (chunk manifests, records, conflicts). Keys are sorted: the
+  /// encoder on Linux orders them differently from one encoding to the next, and manifests are
+  /// compared as text.
   static func json<T: Encodable>(_ v: T) -> String? {
-    (try? JSONEncoder().encode(v)).flatMap { String(data: $0, encoding: .utf8) }
+    (try? jsonEncoder.encode(v)).flatMap { String(data: $0, encoding: .utf8) }
   }
 
-  public var chunkList: [ChunkRef] {
-    guard let chunks, let data = chunks.data(using: .utf8) else { return [] }
+  private static let jsonEncoder: JSONEncoder = {
+    let e = JSONEncoder()
+    e.outputFormatting = .sortedKeys
+    return e
+  }()
+
+  public var chunkList: [ChunkRef] { Self.chunkList(chunks) }
+
+  /// The chunks a manifest lists ([] for none or an unreadable one).
+  public static func chunkList(_ manifest: String?) -> [ChunkRef] {
+    guard let manifest, let data = manifest.data(using: .utf8) else { return [] }
     return (try? JSONDecoder().decode([ChunkRef].self, from: data)) ?? []
   }
 }

@@ -453,7 +453,7 @@ public final class Downloader: @unchecked Sendable {
       guard let row = try index.item(inode), row.kind == .file else { throw UbiqError.notFound("inode \(inode)") }
       if row.content == .cached { return (nil, false) }
       // A download of an older version (changed remotely meanwhile) serves its own readers.
-      if let s = streams[inode], s.manifest == row.chunks { return (s, false) }
+      if let s = streams[inode], s.manifest == row.chunks || s.chunks == row.chunkList { return (s, false) }
       // A new file: readers of an earlier download (failed, stopped, or of an older version)
       // keep the old one through their descriptors and never see its bytes change.
       let path = cache.path(inode)

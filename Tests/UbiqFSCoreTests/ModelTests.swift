@@ -568,6 +568,12 @@ final class ModelRun {
     // A file is renamed while its writer holds it, and a new file takes its old name: the new
     // file's upload waits for the old one's move, which waits for the writer's flush.
     [(0, 1, 0, 0), (9, 0, 0, 0), (10, 1, 0, 0), (4, 1, 0, 0), (0, 1, 0, 0), (11, 0, 0, 0), (9, 0, 0, 0)],
+    // A reader holds an evicted file whose rename was uploaded since, and a writer opens it:
+    // both use the one download (the uploaded manifest's text may order its keys otherwise).
+    [
+      (0, 2, 0, 0), (1, 2, 0, 0), (4, 2, 0, 0), (9, 0, 0, 0), (4, 0, 2, 0), (10, 2, 0, 7), (9, 0, 0, 0), (1, 2, 0, 2),
+      (12, 0, 2, 0),
+    ],
     // A pinned file's new version is being fetched at a crash: the fetch of the stopped
     // device must not mark the file cached under the restarted device's download.
     [(0, 1, 0, 0), (0, 0, 0, 0), (18, 1, 0, 0), (1, 2, 1, 2611), (19, 1, 3, 0), (14, 1, 0, 2718), (1, 1, 1, 4330)],
