@@ -42,6 +42,9 @@ enum ModelResidency {
   case fetching
   /// A reader may have started (and finished, or stopped) a download.
   case unsure
+  /// A background fetch may still start, run or have finished (the file was unpinned or
+  /// evicted while its fetch waited or ran): no later eviction settles it.
+  case fetchMayRun
 }
 
 /// Drives the real filesystem core (real index, cache, uploader, downloader and embedded cloud)
@@ -247,7 +250,7 @@ final class ModelRun {
         let got = errno { try core.evict(try resolve(path).inode) }
         // A pinned file's fetch may end between the look and the eviction: still dataless (a
         // no-op), or cached and pinned (EBUSY).
-        let fetching = residency[id] == .fetching && got == EBUSY
+        let fetching = [.fetching, .fetchMayRun].contains(residency[id]) && got == EBUSY
         expectSame(got, refused || fetching || waiting.contains(id) ? EBUSY : 0, step)
         if got == 0 { evictedHere(id) }
         ModelRun.stats["evict-all file", default: 0] += 1
@@ -267,7 +270,11 @@ final class ModelRun {
       let got = errno { try core.evict(try resolve(p).inode) }
       if got == 0, let id = model.paths[p] { evictedHere(id) }
       if got == 0, let a = try? resolve(p), a.blocks == 0, a.size > 0 { ModelRun.stats["evicted", default: 0] += 1 }
-      if got == EBUSY, let id = model.paths[p], residency[id] == .fetching || waiting.contains(id) { want = EBUSY }
+      if got == EBUSY, let id = model.paths[p],
+        [.fetching, .fetchMayRun].contains(residency[id]) || waiting.contains(id)
+      {
+        want = EBUSY
+      }
       expectSame(got, want, step)
     case 10:  // open and keep the handle
       guard held.count < 3 else { return }
@@ -358,7 +365,7 @@ final class ModelRun {
         } else {
           pinned.remove(id)
           // A fetch still waiting for its turn is dropped; one already running goes on.
-          if residency[id] == .fetching { residency[id] = .unsure }
+          if residency[id] == .fetching { residency[id] = .fetchMayRun }
         }
       }
     case 19:  // another device replaces the file's content; nothing here has it open
@@ -391,7 +398,7 @@ final class ModelRun {
 
   /// A reader opened the file: if its bytes were only in the cloud, a download may have run.
   func readHere(_ id: Int) {
-    if let r = residency[id], r != .here { residency[id] = .unsure }
+    if let r = residency[id], r != .here, r != .fetchMayRun { residency[id] = .unsure }
   }
 
   /// An eviction succeeded: a file with bytes keeps only its metadata here. With a handle open
@@ -399,8 +406,8 @@ final class ModelRun {
   func evictedHere(_ id: Int) {
     if held.contains(where: { $0.node == id }) { return }
     // Still being fetched (a no-op), or fetched just before and now evicted.
-    if residency[id] == .fetching {
-      residency[id] = .unsure
+    if residency[id] == .fetching || residency[id] == .fetchMayRun {
+      residency[id] = .fetchMayRun
       return
     }
     if case .file(let d) = model.nodes[id], !d.isEmpty { residency[id] = .evicted }
@@ -426,7 +433,7 @@ final class ModelRun {
     case .here: return ["cached"]
     case .evicted: return ["dataless"]
     case .fetching: return ["downloading", "cached"]
-    case .unsure: return ["dataless", "downloading", "cached"]
+    case .unsure, .fetchMayRun: return ["dataless", "downloading", "cached"]
     }
   }
 
