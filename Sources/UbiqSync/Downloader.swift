@@ -577,9 +577,6 @@ public final class Downloader: @unchecked Sendable {
     startBackgroundFetches()
   }
 
-  /// Background fetches that run now.
-  public var runningBackgroundFetches: Int { lock.withLock { background.running.count } }
-
   /// Starts queued background fetches while there is room.
   private func startBackgroundFetches() {
     while let inode = lock.withLock({ shutDown ? nil : background.nextToStart(limit: backgroundFetchLimit) }) {
