@@ -45,8 +45,11 @@ extension IndexStore {
   /// just created is queued for deletion.
   /// `adopted`: the row already took `result` (a merge, `adoptMerged`), possibly keeping newer
   /// local content on top; only the queue entry and the held records are settled here.
+  /// `placeOnly`: `result` is the cloud's content under the item's new place (its writer has not
+  /// flushed yet): the row takes it as its base, and the entry stays queued for the content.
   public func markUploaded(
-    seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false
+    seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false,
+    placeOnly: Bool = false
   ) throws {
     let manifest = ItemRow.json(result.chunks)
     try pool.write { db in
@@ -63,7 +66,7 @@ extension IndexStore {
             try db.execute(
               sql: "UPDATE items SET etag = ?, base = ?, chunks = ?, conflicts = ? WHERE id = ?",
               arguments: [
-                result.etag, ItemRow.json(result), heir.content == .cached ? manifest : heir.chunks,
+                result.etag, ItemRow.json(result), heir.content == .cached && !placeOnly ? manifest : heir.chunks,
                 ItemRow.combinedConflicts(heir.conflictList, result.conflicts ?? []), heir.id,
               ])
           }
@@ -75,7 +78,11 @@ extension IndexStore {
           db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty)
         return
       }
-      if !adopted {
+      if placeOnly {
+        try db.execute(
+          sql: "UPDATE items SET etag = ?, base = ? WHERE id = ?",
+          arguments: [result.etag, ItemRow.json(result), inode])
+      } else if !adopted {
         try db.execute(
           sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
           arguments: [
@@ -86,7 +93,7 @@ extension IndexStore {
       }
       // Held records of the item that this version supersedes (a merge took them in).
       try Self.releaseHeld(db, itemID: itemID, upTo: result.changeSeq)
-      if row.revision == revision {
+      if row.revision == revision && !placeOnly {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       } else {
         try db.execute(

@@ -304,6 +304,9 @@ public final class UploadWorker: @unchecked Sendable {
     var snapshot: UploadSnapshot
     var chunks: [ChunkRef]
     var size: Int64
+    /// Only the item's new place (parent and name) is committed, over the cloud's version: a
+    /// writer holds unflushed bytes of the file, so its content cannot be read consistently yet.
+    var placeOnly = false
   }
 
   /// Takes a snapshot of an item and sends the chunks of its content the cloud lacks. Nil if
@@ -316,6 +319,13 @@ public final class UploadWorker: @unchecked Sendable {
     let path = (try? index.path(of: inode)) ?? row.name
     lock.withLock { sending[inode] = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
+    if row.kind == .file, row.content == .cached, inodes.dirtyHandleCount(inode) > 0, let base = row.baseItem,
+      !base.deleted, base.parentID != snap.parentItemID || base.name != row.name
+    {
+      // The content waits for the writer's flush, the rename need not: the cloud gets the move
+      // now, so the name it frees is free for other items (a log rotated while it is written).
+      return PreparedUpload(snapshot: snap, chunks: base.chunks, size: base.size, placeOnly: true)
+    }
     if row.kind == .file {
       if row.content == .cached && cache.cachedContent(inode, size: row.size) == .emptyWithoutFile {
         chunks = []
@@ -350,6 +360,13 @@ public final class UploadWorker: @unchecked Sendable {
       mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
       deviceID: deviceID)
     local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
+    if p.placeOnly, let base = row.baseItem {
+      local = CloudItem(
+        itemID: base.itemID, parentID: snap.parentItemID, name: row.name, kind: base.kind, mode: base.mode,
+        size: base.size, mtimeNs: base.mtimeNs, symlinkTarget: base.symlinkTarget, xattrs: base.xattrs,
+        chunks: base.chunks, deviceID: deviceID)
+      local.conflicts = base.conflicts
+    }
     var item = local
     var ifMatch = row.etag
     var merged = false
@@ -376,8 +393,9 @@ public final class UploadWorker: @unchecked Sendable {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
         if merged { try adopt(result, keepingPlace: false) }
         try index.markUploaded(
-          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result, adopted: merged)
-        log.debug("uploaded \(row.name) etag \(result.etag)")
+          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result, adopted: merged,
+          placeOnly: p.placeOnly)
+        log.debug("\(p.placeOnly ? "moved" : "uploaded") \(row.name) etag \(result.etag)")
         return
       } catch CloudError.nameTaken(let why) {
         // Another item holds the name in the cloud. If that item is itself on its way elsewhere
@@ -398,9 +416,11 @@ public final class UploadWorker: @unchecked Sendable {
         // The cloud now has an earlier state of this item: the entry stays queued.
         try index.markUploaded(
           seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result,
-          adopted: merged)
+          adopted: merged, placeOnly: p.placeOnly)
         throw Postpone(ns: 50_000_000)
       } catch CloudError.conflict(let current) {
+        // A merge needs the local content: the move waits with it for the writer's flush.
+        if p.placeOnly { throw Postpone(ns: 500_000_000) }
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
         item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
         // The other side's content would replace the cache file under a handle open for

@@ -195,6 +195,37 @@ import UbiqSync
     #expect(item?.size == 9, "the cloud keeps the last good version")
   }
 
+  /// Log rotation: a file a process keeps writing is renamed, and a new file takes its name.
+  /// The rename reaches the cloud at once (with the content the cloud has); the new file's
+  /// upload does not wait for the writer, and the written bytes follow at the writer's flush.
+  @Test func aRenameOfAFileAWriterHoldsReachesTheCloudBeforeItsFlush() throws {
+    let w = try CoreWorld()
+    let logFile = try w.writeFile("app.log", Data("line 1\n".utf8))
+    try w.drainUploads()
+    let itemID = try w.index.item(logFile)!.itemID
+    let h = try w.core.open(logFile, flags: O_WRONLY | O_APPEND, caller: .current).handle
+    _ = try Data("line 2\n".utf8).withUnsafeBytes { try w.core.write(h, $0, offset: 7) }
+    try w.core.rename(parent: w.documents, name: "app.log", newParent: w.documents, newName: "app.log.1", flags: [])
+    let fresh = try w.writeFile("app.log", Data("new\n".utf8))
+    try w.drainUploads()
+    let rotated = try runBlocking { try await w.cloud.item(w.container, itemID: itemID) }
+    #expect(rotated?.name == "app.log.1" && rotated?.size == 7, "\(String(describing: rotated))")
+    let freshRow = try w.index.item(fresh)!
+    #expect(freshRow.revision == freshRow.syncedRevision)
+    #expect(try w.index.queueEntry(forInode: fresh) == nil)
+    let freshItem = try runBlocking { try await w.cloud.item(w.container, itemID: freshRow.itemID) }
+    #expect(freshItem?.name == "app.log" && freshItem?.size == 4)
+    #expect(try FileContentTests.state(w, fresh) == "cached")
+    #expect(try FileContentTests.state(w, logFile) == "dirty")
+    w.core.release(h)
+    try w.drainUploads()
+    let written = try runBlocking { try await w.cloud.item(w.container, itemID: itemID) }
+    #expect(written?.name == "app.log.1" && written?.size == 14)
+    let row = try w.index.item(logFile)!
+    #expect(row.revision == row.syncedRevision)
+    #expect(try w.readFile("app.log.1") == Data("line 1\nline 2\n".utf8))
+  }
+
   @Test func evictRefusesOpenAndUnflushedFiles() throws {
     let w = try CoreWorld()
     let ino = try w.writeFile("f", Data("x\n".utf8))

@@ -62,10 +62,6 @@ final class ModelRun {
   var pending: Set<Int> = []
   var residency: [Int: ModelResidency] = [:]
   var pinned: Set<Int> = []
-  /// Files whose upload the last drain left queued because it needs a file that a writer holds
-  /// (that file's name in the cloud, or its move first): dirty, or showing the error of their
-  /// last try, and not evictable, until the writer flushes and a later drain.
-  var waiting: Set<Int> = []
   /// A second device on the same cloud, for changes made elsewhere (made at first use).
   var otherDevice: CoreWorld?
 
@@ -251,7 +247,7 @@ final class ModelRun {
         // A pinned file's fetch may end between the look and the eviction: still dataless (a
         // no-op), or cached and pinned (EBUSY).
         let fetching = [.fetching, .fetchMayRun].contains(residency[id]) && got == EBUSY
-        expectSame(got, refused || fetching || waiting.contains(id) ? EBUSY : 0, step)
+        expectSame(got, refused || fetching ? EBUSY : 0, step)
         if got == 0 { evictedHere(id) }
         ModelRun.stats["evict-all file", default: 0] += 1
         if got == 0, let a = try? resolve(path), a.blocks == 0, a.size > 0 {
@@ -271,7 +267,7 @@ final class ModelRun {
       if got == 0, let id = model.paths[p] { evictedHere(id) }
       if got == 0, let a = try? resolve(p), a.blocks == 0, a.size > 0 { ModelRun.stats["evicted", default: 0] += 1 }
       if got == EBUSY, let id = model.paths[p],
-        [.fetching, .fetchMayRun].contains(residency[id]) || waiting.contains(id)
+        [.fetching, .fetchMayRun].contains(residency[id])
       {
         want = EBUSY
       }
@@ -417,17 +413,10 @@ final class ModelRun {
   func drainUploads() throws {
     try world.drainUploads()
     pending = pending.filter { id in held.contains { $0.node == id && $0.wrote } }
-    waiting = []
-    guard held.contains(where: { $0.wrote }) else { return }
-    for (path, id) in model.paths where model.nodes[id] != .directory && !pending.contains(id) {
-      if let inode = try world.inode(path), try world.index.queueEntry(forInode: inode) != nil { waiting.insert(id) }
-    }
-    if !waiting.isEmpty { ModelRun.stats["uploads waiting for a writer", default: 0] += 1 }
   }
 
   /// The content states `user.ubiq.content_state` may show for file node `id`.
   func expectedContentStates(_ id: Int) -> Set<String> {
-    if waiting.contains(id) { return ["dirty", "error"] }
     if pending.contains(id) || held.contains(where: { $0.node == id && $0.wrote }) { return ["dirty"] }
     switch residency[id] ?? .here {
     case .here: return ["cached"]

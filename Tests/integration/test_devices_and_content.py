@@ -597,3 +597,33 @@ def test_a_new_version_from_another_device_shows_its_size_while_a_reader_holds_t
         device2.sync()
         wait_for(lambda: f1.stat().st_size == len(new), timeout=15, what="the new version's size on device 1")
         assert f1.read_text() == new
+
+
+def test_a_log_rotated_while_it_is_written_syncs_before_the_writer_closes(ubiq, device2):
+    """logrotate's default: the log a process keeps writing is renamed, a new log takes its name.
+    The rename and the new file reach the other device while the writer still holds the old
+    log; its unflushed lines follow when it closes."""
+    log = ubiq.docs / "app.log"
+    log.write_bytes(b"line 1\n")
+    ubiq.sync()
+    wait_for(lambda: (device2.docs / "app.log").exists(), timeout=15, what="the log on device 2")
+    with open(log, "ab") as writer:
+        writer.write(b"line 2\n")
+        writer.flush()  # reaches the daemon as a write; no close or fsync yet
+        os.rename(log, ubiq.docs / "app.log.1")
+        log.write_bytes(b"new\n")
+        wait_for(
+            lambda: (device2.docs / "app.log").read_bytes() == b"new\n"
+            and (device2.docs / "app.log.1").read_bytes() == b"line 1\n",
+            timeout=15,
+            what="the rotation on device 2 while the writer is open",
+        )
+        assert Ubiq.xattr(log, "user.ubiq.content_state") == "cached"
+        assert Ubiq.xattr(ubiq.docs / "app.log.1", "user.ubiq.content_state") == "dirty"
+    ubiq.sync()
+    wait_for(
+        lambda: (device2.docs / "app.log.1").read_bytes() == b"line 1\nline 2\n",
+        timeout=15,
+        what="the writer's lines on device 2 after its close",
+    )
+    assert sorted(p.name for p in device2.docs.iterdir()) == ["app.log", "app.log.1"]
