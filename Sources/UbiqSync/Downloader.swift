@@ -607,7 +607,10 @@ public final class Downloader: @unchecked Sendable {
         if let retryAfter { retry(inode, after: retryAfter) }
         continue
       }
-      lock.withLock { background.started(inode, started) }
+      let retryAfter = lock.withLock { () -> UInt64? in
+        background.started(inode, started) == .alreadyFailed && !shutDown ? scheduleRetry(inode) : nil
+      }
+      if let retryAfter { retry(inode, after: retryAfter) }
       schedule(started)
     }
   }
@@ -793,9 +796,26 @@ struct BackgroundFetches {
     return inode
   }
 
-  /// The reserved slot of `inode` got its download. A download that already finished frees it.
-  mutating func started(_ inode: Int64, _ s: ContentStream) {
-    running[inode] = s.finished ? nil : .some(s)
+  /// What became of a reserved slot given its download.
+  enum Start: Equatable {
+    /// The download runs; its end frees the slot (`ended`).
+    case running
+    /// The download (a reader's, joined) had already ended well: the slot is free.
+    case alreadyEnded
+    /// The download had already failed: the slot is free and the failure counted; the caller
+    /// schedules the retry.
+    case alreadyFailed
+  }
+
+  /// The reserved slot of `inode` got its download.
+  mutating func started(_ inode: Int64, _ s: ContentStream) -> Start {
+    guard s.finished else {
+      running[inode] = .some(s)
+      return .running
+    }
+    let didFail = s.failed != nil
+    notStarted(inode, failed: didFail)
+    return didFail ? .alreadyFailed : .alreadyEnded
   }
 
   /// The reserved slot of `inode` frees without a download: `failed`, it could not start (it

@@ -306,7 +306,33 @@ import UbiqIndex
   }
 }
 
-/// A result handed from one thread to another.
+/// The background fetch queue's bookkeeping, driven directly.
+@Suite struct BackgroundFetchesTests {
+  /// A pinned file's fetch can join a reader's download that fails just then: the fetch failed
+  /// too, and is tried again like any failed fetch.
+  @Test func aFetchThatJoinsADownloadWhichJustFailedCountsAsFailed() {
+    var fetches = BackgroundFetches()
+    fetches.add(7)
+    #expect(fetches.nextToStart(limit: 2) == 7)
+    let s = ContentStream(
+      inode: 7, manifest: nil, size: 1 << 20, chunks: [ChunkRef(hash: "c", length: 1 << 20)], fd: -1)
+    s.fail(UbiqError.unavailable("cloud unreachable"))
+    s.markFinished()
+    #expect(fetches.started(7, s) == .alreadyFailed)
+    #expect(fetches.running.isEmpty && fetches.failed[7] == 1)
+  }
+
+  @Test func aFetchThatJoinsADownloadWhichJustCompletedIsDone() {
+    var fetches = BackgroundFetches()
+    fetches.add(7)
+    _ = fetches.nextToStart(limit: 2)
+    let s = ContentStream(inode: 7, manifest: nil, size: 0, chunks: [], fd: -1)
+    s.markFinished()
+    #expect(fetches.started(7, s) == .alreadyEnded)
+    #expect(fetches.running.isEmpty && fetches.failed[7] == nil)
+  }
+}
+
 /// The order in which a download starts its chunks, driven directly: no cloud, no file.
 @Suite struct ContentStreamSchedulingTests {
   /// A stream of 64 chunks of 1 MiB (its file descriptor is never written here).
