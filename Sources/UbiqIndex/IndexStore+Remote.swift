@@ -199,63 +199,40 @@ extension IndexStore {
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
   }
 
-  /// Makes room for folder `dir` to move into `parent` when `parent` is below `dir` here: each
-  /// folder on the way up whose place is a local move not yet in the cloud goes back to where
+  /// Makes room for folder `dir` to move into `parent` when `parent` is below `dir` here: the
+  /// planner's moves (`RemotePlanner.undoCrossedMoves`) are carried out, each folder back where
   /// the cloud has it (under a free name if its old one is taken), as a new local revision that
   /// is uploaded. False if the loop remains (nothing local to undo).
   func undoCrossedMoves(_ db: Database, of dir: Int64, into parent: Int64, stale: inout [(Int64, String)])
     throws -> Bool
   {
-    for _ in 0..<8 {
-      // The chain from `parent` up to `dir`, if `parent` is below `dir`.
-      var chain: [ItemRow] = []
-      var cur: Int64? = parent
-      while let c = cur, c != dir, chain.count <= Self.maxDepth {
-        guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [c]) else {
-          break
-        }
-        chain.append(row)
-        cur = row.parent
+    let plan = try RemotePlanner.undoCrossedMoves(
+      of: dir, into: parent, maxDepth: Self.maxDepth,
+      parentHere: { try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [$0]) },
+      parentInCloud: { folder in
+        guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
+          let baseParentID = row.baseItem?.parentID
+        else { return nil }
+        return try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID])
+      })
+    guard let plan else { return false }
+    for (folder, back) in plan {
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
+        let base = row.baseItem
+      else { return false }
+      var name = base.name
+      if let holder = try Self.childID(db, back, name), holder != folder {
+        name = try Self.freeName(db, back, name)
       }
-      guard cur == dir else { return true }
-      var undone = false
-      for row in chain {
-        guard let base = row.baseItem, let baseParentID = base.parentID,
-          let baseParent = try Int64.fetchOne(
-            db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-          baseParent != row.parent,
-          // Going back must not put the folder below itself (its old parent moved into it).
-          try !Self.isWithin(db, baseParent, row.id!)
-        else { continue }
-        var name = base.name
-        if let holder = try Self.childID(db, baseParent, name), holder != row.id {
-          name = try Self.freeName(db, baseParent, name)
-        }
-        let wasLocalOnly = try Self.isLocalOnly(db, row.id!)
-        try db.execute(
-          sql: "UPDATE items SET parent = ?, name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [baseParent, name, Clock.nowNs(), row.id!])
-        try enqueueMoved(db, row.id!, wasLocalOnly: wasLocalOnly)
-        if let p = row.parent { stale.append((p, row.name)) }
-        stale.append((baseParent, name))
-        undone = true
-        break
-      }
-      if !undone { return false }
+      let wasLocalOnly = try Self.isLocalOnly(db, folder)
+      try db.execute(
+        sql: "UPDATE items SET parent = ?, name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+        arguments: [back, name, Clock.nowNs(), folder])
+      try enqueueMoved(db, folder, wasLocalOnly: wasLocalOnly)
+      if let p = row.parent { stale.append((p, row.name)) }
+      stale.append((back, name))
     }
-    return false
-  }
-
-  /// Whether `node` is `ancestor` or below it (a chain longer than any real tree counts as yes).
-  static func isWithin(_ db: Database, _ node: Int64, _ ancestor: Int64) throws -> Bool {
-    var cur: Int64? = node
-    var depth = 0
-    while let c = cur {
-      if c == ancestor || depth > maxDepth { return true }
-      depth += 1
-      cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
-    }
-    return false
+    return true
   }
 
   /// What applying a remote record does when its name is held by another local item.

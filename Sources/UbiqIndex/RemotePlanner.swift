@@ -63,6 +63,67 @@ public enum RemotePlanner {
     return false
   }
 
+  /// The moves that make room for folder `dir` to move into `target` (a remote record) when
+  /// `target` is below `dir` here: a move made on this device, not yet in the cloud, crossed the
+  /// cloud's move, and the cloud took the other one first. Folders on the way up from `target`
+  /// whose place here is a local move go back to their place in the cloud (the nearest to
+  /// `target` first), one at a time, until `target` is no longer below `dir`. A folder whose
+  /// place in the cloud is below it here first makes room for itself the same way. Empty:
+  /// nothing crosses. Nil: the loop remains with nothing local to undo.
+  /// `parentHere`: a folder's parent on this device (Local); `parentInCloud`: the parent of its
+  /// base (Synced), nil if it has none here. Each folder goes back at most once, so the walk
+  /// ends; chains longer than `maxDepth` count as a loop.
+  public static func undoCrossedMoves(
+    of dir: Int64, into target: Int64, maxDepth: Int, parentHere: (Int64) throws -> Int64?,
+    parentInCloud: (Int64) throws -> Int64?
+  ) rethrows -> [(folder: Int64, backTo: Int64)]? {
+    var undone: [Int64: Int64] = [:]
+    var plan: [(folder: Int64, backTo: Int64)] = []
+    /// Folders making room for themselves now: not tried again further down.
+    var makingRoom: Set<Int64> = []
+    func parent(_ node: Int64) throws -> Int64? { try undone[node] ?? parentHere(node) }
+    func isWithin(_ node: Int64, _ ancestor: Int64) throws -> Bool {
+      var cur: Int64? = node
+      var depth = 0
+      while let c = cur {
+        if c == ancestor || depth > maxDepth { return true }
+        depth += 1
+        cur = try parent(c)
+      }
+      return false
+    }
+    /// Undoes moves until `target` is not below `dir`; false if it stays below.
+    func makeRoom(for dir: Int64, in target: Int64) throws -> Bool {
+      makingRoom.insert(dir)
+      defer { makingRoom.remove(dir) }
+      while plan.count <= maxDepth {
+        // The chain from `target` up to `dir`, if `target` is below `dir`.
+        var chain: [Int64] = []
+        var cur: Int64? = target
+        while let c = cur, c != dir {
+          if chain.count > maxDepth { return false }
+          chain.append(c)
+          cur = try parent(c)
+        }
+        guard cur == dir else { return true }
+        var found = false
+        for folder in chain where undone[folder] == nil && !makingRoom.contains(folder) {
+          guard let back = try parentInCloud(folder), try back != parent(folder) else { continue }
+          if try isWithin(back, folder) {
+            guard try makeRoom(for: folder, in: back), try !isWithin(back, folder) else { continue }
+          }
+          undone[folder] = back
+          plan.append((folder, back))
+          found = true
+          break
+        }
+        if !found { return false }
+      }
+      return false
+    }
+    return try makeRoom(for: dir, in: target) ? plan : nil
+  }
+
   /// The item that holds, on this device, the name a remote record wants.
   public struct NameHolder: Sendable, Equatable {
     public var itemID: String

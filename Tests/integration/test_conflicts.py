@@ -197,3 +197,37 @@ def test_crossed_folder_moves_lose_nothing(pair):
         wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
         status = u.status()[0]
         assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
+
+
+def test_crossed_moves_that_need_two_moves_undone_converge(pair):
+    """A moves d4 below d2/d3/d7; 0.3 s later, before that arrives, B moves d3 into d4 and then
+    d2 below d3 (two moves, each valid where it is made). The cloud takes A's move; on B,
+    putting d3 back needs d2 put back first. Both devices end with A's tree, every file in it,
+    and empty queues."""
+    a, b = pair
+    (a.docs / "d2" / "d3" / "d7").mkdir(parents=True)
+    (a.docs / "d4").mkdir()
+    (a.docs / "d2" / "d3" / "d7" / "keep.txt").write_text("keep\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "d2" / "d3" / "d7" / "keep.txt").exists(), what="folders on b")
+    os.rename(a.docs / "d4", a.docs / "d2" / "d3" / "d7" / "d4")
+    time.sleep(0.3)
+    os.rename(b.docs / "d2" / "d3", b.docs / "d4" / "d3")
+    os.rename(b.docs / "d2", b.docs / "d4" / "d3" / "d7" / "d2")
+    settle(a, b, rounds=4)
+    want = {"d2": None, "d2/d3": None, "d2/d3/d7": None, "d2/d3/d7/d4": None, "d2/d3/d7/keep.txt": b"keep\n"}
+
+    def tree(u):
+        out = {}
+        for dirpath, dirnames, filenames in os.walk(u.docs):
+            rel = os.path.relpath(dirpath, u.docs)
+            for d in dirnames:
+                out[os.path.normpath(os.path.join(rel, d))] = None
+            for f in filenames:
+                out[os.path.normpath(os.path.join(rel, f))] = read(os.path.join(dirpath, f))
+        return out
+
+    for u in (a, b):
+        wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
+        status = u.status()[0]
+        assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
