@@ -58,11 +58,12 @@ final class CoreWorld: @unchecked Sendable {
     return url
   }
 
-  /// Two devices of one account: `a` with its own embedded cloud (removed with `a`), `b` on it.
+  /// Two devices of one account on an embedded cloud of their own. The cloud's folder is not
+  /// below either device's, so a test may drop `a` (its folder goes at deinit) and go on with
+  /// the cloud; it is removed when the test process exits.
   static func pair() throws -> (a: CoreWorld, b: CoreWorld, cloud: CloudEngine) {
-    let a = try CoreWorld()
-    guard let cloud = a.cloud as? CloudEngine else { throw UbiqError.io("the embedded cloud") }
-    return (a, try CoreWorld(cloud: cloud), cloud)
+    let cloud = try CloudEngine.embedded(directory: temporaryFolder("ubiq-cloud"))
+    return (try CoreWorld(cloud: cloud), try CoreWorld(cloud: cloud), cloud)
   }
 
   /// Builds index, cache, core, uploader and downloader from the state folder.

@@ -38,12 +38,12 @@ import UbiqIndex
     }
   }
 
-  /// A with files uploaded, and B (over `cloud`, wrapping A's) with them evicted.
+  /// A with files uploaded, and B (over `cloud`, wrapping the cloud they share) with them evicted.
   static func evictedOnB(_ files: [String: Data]) throws -> (a: CoreWorld, b: CoreWorld, cloud: FlakyCloud) {
-    let a = try CoreWorld()
+    let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
+    let a = try CoreWorld(cloud: engine)
     for (name, data) in files { try a.writeFile(name, data) }
     try a.drainUploads()
-    guard let engine = a.cloud as? CloudEngine else { throw UbiqError.io("the embedded cloud") }
     let cloud = FlakyCloud(engine)
     let b = try CoreWorld(cloud: cloud)
     try b.pull()
