@@ -105,14 +105,17 @@ extension IndexStore {
 
   /// Whether entries older than `seq` may still take items out of folder `folderItemID` in the
   /// cloud: deletes (their place is gone), and changes of items the cloud has in that folder.
+  /// An entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing out:
+  /// only a pull settles it, by putting the item back, which may need the folder itself.
   public func hasQueuedEntries(before seq: Int64, touching folderItemID: String) throws -> Bool {
     try pool.read { db in
       try Bool.fetchOne(
         db.cached(
           """
           SELECT 1 FROM uploadQueue q LEFT JOIN items i ON i.id = q.item
-          WHERE q.seq < ? AND (q.deleteItemID IS NOT NULL OR json_extract(i.base, '$.parentID') = ?) LIMIT 1
-          """), arguments: [seq, folderItemID]) == true
+          WHERE q.seq < ? AND (q.deleteItemID IS NOT NULL OR json_extract(i.base, '$.parentID') = ?)
+            AND q.lastErrno IS NOT ? LIMIT 1
+          """), arguments: [seq, folderItemID, EINVAL]) == true
     }
   }
 

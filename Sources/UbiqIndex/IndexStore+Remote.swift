@@ -201,26 +201,20 @@ extension IndexStore {
 
   /// Makes room for folder `dir` to move into `parent` when `parent` is below `dir` here: the
   /// planner's moves (`RemotePlanner.undoCrossedMoves`) are carried out, each folder back where
-  /// the cloud has it (under a free name if its old one is taken), as a new local revision that
-  /// is uploaded. False if the loop remains (nothing local to undo).
+  /// the cloud has it (under a free name if that name is taken here), as a new local revision
+  /// that is uploaded. False if the loop remains (nothing local to undo).
   func undoCrossedMoves(_ db: Database, of dir: Int64, into parent: Int64, stale: inout [(Int64, String)])
     throws -> Bool
   {
     let plan = try RemotePlanner.undoCrossedMoves(
       of: dir, into: parent, maxDepth: Self.maxDepth,
       parentHere: { try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [$0]) },
-      parentInCloud: { folder in
-        guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
-          let baseParentID = row.baseItem?.parentID
-        else { return nil }
-        return try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID])
-      })
+      parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent })
     guard let plan else { return false }
     for (folder, back) in plan {
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
-        let base = row.baseItem
+        var name = try Self.placeInCloud(db, of: folder)?.name
       else { return false }
-      var name = base.name
       if let holder = try Self.childID(db, back, name), holder != folder {
         name = try Self.freeName(db, back, name)
       }
@@ -233,6 +227,26 @@ extension IndexStore {
       stale.append((back, name))
     }
     return true
+  }
+
+  /// Where the cloud last said item `inode` is (its parent's local id and its name): its held
+  /// record when one waits for the local change to finish (newer than the base), else its base.
+  /// Nil if it was never in the cloud or that parent is not here.
+  static func placeInCloud(_ db: Database, of inode: Int64) throws -> (parent: Int64, name: String)? {
+    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
+      return nil
+    }
+    var place = row.baseItem
+    if let data = try Data.fetchOne(
+      db.cached("SELECT record FROM heldRemote WHERE itemID = ?"), arguments: [row.itemID]),
+      let held = try? JSONDecoder().decode(CloudItem.self, from: data), !held.deleted
+    {
+      place = held
+    }
+    guard let place, let parentID = place.parentID,
+      let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentID])
+    else { return nil }
+    return (parent, place.name)
   }
 
   /// What applying a remote record does when its name is held by another local item.
