@@ -40,6 +40,18 @@ def read(p):
         return f.read()
 
 
+def tree(u: Ubiq) -> dict:
+    """Every path below Documents: None for a folder, the bytes for a file."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(u.docs):
+        rel = os.path.relpath(dirpath, u.docs)
+        for d in dirnames:
+            out[os.path.normpath(os.path.join(rel, d))] = None
+        for f in filenames:
+            out[os.path.normpath(os.path.join(rel, f))] = read(os.path.join(dirpath, f))
+    return out
+
+
 def versions(u: Ubiq, path):
     return json.loads(u.run("versions", path, "--json").stdout)
 
@@ -183,16 +195,6 @@ def test_crossed_folder_moves_lose_nothing(pair):
     settle(a, b, rounds=4)
     want = {"Y": None, "Y/in-Y.txt": b"inside Y\n", "Y/X": None, "Y/X/in-X.txt": b"inside X\n"}
 
-    def tree(u):
-        out = {}
-        for dirpath, dirnames, filenames in os.walk(u.docs):
-            rel = os.path.relpath(dirpath, u.docs)
-            for d in dirnames:
-                out[os.path.normpath(os.path.join(rel, d))] = None
-            for f in filenames:
-                out[os.path.normpath(os.path.join(rel, f))] = read(os.path.join(dirpath, f))
-        return out
-
     for u in (a, b):
         wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
         status = u.status()[0]
@@ -216,16 +218,6 @@ def test_crossed_moves_that_need_two_moves_undone_converge(pair):
     os.rename(b.docs / "d2", b.docs / "d4" / "d3" / "d7" / "d2")
     settle(a, b, rounds=4)
     want = {"d2": None, "d2/d3": None, "d2/d3/d7": None, "d2/d3/d7/d4": None, "d2/d3/d7/keep.txt": b"keep\n"}
-
-    def tree(u):
-        out = {}
-        for dirpath, dirnames, filenames in os.walk(u.docs):
-            rel = os.path.relpath(dirpath, u.docs)
-            for d in dirnames:
-                out[os.path.normpath(os.path.join(rel, d))] = None
-            for f in filenames:
-                out[os.path.normpath(os.path.join(rel, f))] = read(os.path.join(dirpath, f))
-        return out
 
     for u in (a, b):
         wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
