@@ -70,8 +70,8 @@ public enum RemotePlanner {
   /// `target` first), one at a time, until `target` is no longer below `dir`. A folder whose
   /// place in the cloud is below it here first makes room for itself the same way. Empty:
   /// nothing crosses. Nil: the loop remains with nothing local to undo.
-  /// `parentHere`: a folder's parent on this device (Local); `parentInCloud`: the parent of its
-  /// base (Synced), nil if it has none here. Each folder goes back at most once, so the walk
+  /// `parentHere`: a folder's parent on this device (Local); `parentInCloud`: its parent where
+  /// the cloud last said it is (its base, or a newer record held back), nil if it has none here. Each folder goes back at most once, so the walk
   /// ends; chains longer than `maxDepth` count as a loop.
   public static func undoCrossedMoves(
     of dir: Int64, into target: Int64, maxDepth: Int, parentHere: (Int64) throws -> Int64?,

@@ -355,17 +355,20 @@ public final class UploadWorker: @unchecked Sendable {
     let row = snap.row
     let chunks = p.chunks
     let size = p.size
-    var local = CloudItem(
-      itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
-      mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
-      deviceID: deviceID)
-    local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
+    var local: CloudItem
     if p.placeOnly, let base = row.baseItem {
+      // The cloud's version under the new place.
       local = CloudItem(
         itemID: base.itemID, parentID: snap.parentItemID, name: row.name, kind: base.kind, mode: base.mode,
         size: base.size, mtimeNs: base.mtimeNs, symlinkTarget: base.symlinkTarget, xattrs: base.xattrs,
         chunks: base.chunks, deviceID: deviceID)
       local.conflicts = base.conflicts
+    } else {
+      local = CloudItem(
+        itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
+        mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
+        deviceID: deviceID)
+      local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
     }
     var item = local
     var ifMatch = row.etag

@@ -247,41 +247,11 @@ final class SyncSimulation {
         }
       }
     case "moveInto":  // mv p q/ : p keeps its name in folder q
-      attempt {
-        let (parent, name) = try w.parentAndName(s.p)
-        guard let into = try w.inode(s.q) else { throw UbiqError.notFound(s.q) }
-        let moving = try w.core.lookup(parent: parent, name: name)
-        try replacing(d, into, name, unless: moving?.inode) {
-          try w.core.rename(parent: parent, name: name, newParent: into, newName: name, flags: [])
-        }
-        if moving?.kind == .directory && parent != into { Self.stats["folder moves", default: 0] += 1 }
-      }
+      attempt { try rename(d, s.p, to: s.q + "/" + (s.p.split(separator: "/").last.map(String.init) ?? s.p)) }
     case "rmtree":
       attempt { try removeTree(d, s.p) }
     case "rename":
-      attempt {
-        let (parent, name) = try w.parentAndName(s.p)
-        let (newParent, newName) = try w.parentAndName(s.q)
-        let moving = try w.core.lookup(parent: parent, name: name)
-        let target = try w.core.lookup(parent: newParent, name: newName)
-        let movingID = try moving.flatMap { try w.index.item($0.inode)?.itemID }
-        try replacing(d, newParent, newName, unless: moving?.inode) {
-          try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: [])
-        }
-        if moving?.kind == .directory && parent != newParent { Self.stats["folder moves", default: 0] += 1 }
-        // A file replacing a file takes over the replaced item's identity: the bytes this device
-        // has of the moved item (its own writes, or others' it has seen) now belong to that
-        // identity. Writes another device made to the moved item that this one has not seen stay
-        // with the moved item's own identity (an edit there beats the delete of that identity).
-        if let moving, let target, let movingID, moving.kind == .file, target.kind == .file,
-          moving.inode != target.inode, let newID = try w.index.item(moving.inode)?.itemID
-        {
-          for i in writes.indices
-          where writes[i].itemID == movingID && (writes[i].device == d || observed[d].contains(writes[i].hash)) {
-            writes[i].itemID = newID
-          }
-        }
-      }
+      attempt { try rename(d, s.p, to: s.q) }
     case "exchange":
       attempt {
         let (parent, name) = try w.parentAndName(s.p)
@@ -375,6 +345,32 @@ final class SyncSimulation {
 
   /// Runs an operation that replaces or deletes whatever is at `parent/name`, marking the writes
   /// it knowingly drops.
+  /// `mv from to` on device `d`, with the bookkeeping of which writes belong to which item.
+  func rename(_ d: Int, _ from: String, to: String) throws {
+    let w = devices[d]
+    let (parent, name) = try w.parentAndName(from)
+    let (newParent, newName) = try w.parentAndName(to)
+    let moving = try w.core.lookup(parent: parent, name: name)
+    let target = try w.core.lookup(parent: newParent, name: newName)
+    let movingID = try moving.flatMap { try w.index.item($0.inode)?.itemID }
+    try replacing(d, newParent, newName, unless: moving?.inode) {
+      try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: [])
+    }
+    if moving?.kind == .directory && parent != newParent { Self.stats["folder moves", default: 0] += 1 }
+    // A file replacing a file takes over the replaced item's identity: the bytes this device
+    // has of the moved item (its own writes, or others' it has seen) now belong to that
+    // identity. Writes another device made to the moved item that this one has not seen stay
+    // with the moved item's own identity (an edit there beats the delete of that identity).
+    if let moving, let target, let movingID, moving.kind == .file, target.kind == .file,
+      moving.inode != target.inode, let newID = try w.index.item(moving.inode)?.itemID
+    {
+      for i in writes.indices
+      where writes[i].itemID == movingID && (writes[i].device == d || observed[d].contains(writes[i].hash)) {
+        writes[i].itemID = newID
+      }
+    }
+  }
+
   func replacing(_ d: Int, _ parent: Int64, _ name: String, unless: Int64? = nil, _ body: () throws -> Void) throws {
     let w = devices[d]
     let old = try w.core.lookup(parent: parent, name: name)
