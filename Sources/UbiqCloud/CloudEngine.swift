@@ -211,6 +211,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     current.chunks = []
     current.xattrs = [:]
     current.deviceID = deviceID
+    current.contentDeviceID = nil
     return try await metadata.commit(
       account: account, container: container.rawValue, item: current, ifMatch: ifMatch,
       chunks: Self.referencedChunks(current), rule: Self.deleteRule)
@@ -303,7 +304,9 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     for v in item.conflicts ?? [] where !Identifier.isValid(v.versionID) {
       throw CloudError.invalidID("conflict version id \(Identifier.quoted(v.versionID))")
     }
-    if item.deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if item.deviceID.utf8.count > 128 || (item.contentDeviceID?.utf8.count ?? 0) > 128 {
+      throw CloudError.invalid("device id longer than 128 bytes")
+    }
     if item.itemID == WellKnownItem.root {
       throw CloudError.invalid("the container root cannot be written")
     }

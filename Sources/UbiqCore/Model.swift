@@ -110,8 +110,14 @@ public struct CloudItem: Codable, Equatable, Sendable {
   public var changeSeq: Int64
   /// The device that wrote this version.
   public var deviceID: String
+  /// The device that wrote this version's content, when it is not `deviceID`: a merge that kept
+  /// another device's content, or a delete that kept another device's conflict version.
+  public var contentDeviceID: String?
   /// Unresolved conflict versions (files only); nil or empty when there are none.
   public var conflicts: [ConflictVersion]?
+
+  /// The device whose content this version carries.
+  public var contentAuthor: String { contentDeviceID ?? deviceID }
 
   public init(
     itemID: String, parentID: String?, name: String, kind: ItemKind, mode: UInt32, size: Int64,

@@ -23,6 +23,7 @@ public enum ConflictMerge {
     out.size = newest.size
     out.mtimeNs = newest.mtimeNs
     out.deviceID = deviceID
+    out.contentDeviceID = newest.deviceID == deviceID ? nil : newest.deviceID
     let rest = others.filter { $0.versionID != newest.versionID }
     out.conflicts = rest.isEmpty ? nil : rest
     return out
@@ -37,6 +38,8 @@ public enum ConflictMerge {
     }
     var out = server
     out.deviceID = deviceID
+    // The content stays the cloud's, and its author with it, unless the local side's is taken.
+    out.contentDeviceID = server.contentAuthor == deviceID ? nil : server.contentAuthor
     let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
     if placeChanged {
       out.parentID = local.parentID
@@ -52,18 +55,21 @@ public enum ConflictMerge {
       let localChanged = base.map { $0.chunks != local.chunks } ?? true
       let serverChanged = base.map { $0.chunks != server.chunks } ?? (server.chunks != local.chunks)
       if localChanged && serverChanged && local.chunks != server.chunks {
-        // Our own earlier upload whose confirmation was lost (e.g. a crash): ours is newer.
-        let ownStale = base == nil && server.deviceID == deviceID
+        // Our own earlier upload whose confirmation was lost (e.g. a crash): ours is newer. Only
+        // when the cloud's content is this device's: a merge this device committed may carry
+        // another device's content.
+        let ownStale = base == nil && server.contentAuthor == deviceID
         let localWins =
           ownStale
           || CloudItem.wins(
-            mtimeNs: local.mtimeNs, deviceID: deviceID, over: (server.mtimeNs, server.deviceID))
+            mtimeNs: local.mtimeNs, deviceID: deviceID, over: (server.mtimeNs, server.contentAuthor))
         let loser = localWins ? server : local
-        if !ownStale {
+        // A loser already kept (a merge committed before, whose reply was lost) is not kept twice.
+        if !ownStale && !conflicts.contains(where: { $0.chunks == loser.chunks }) {
           conflicts.append(
             ConflictVersion(
               versionID: localWins ? "v\(server.etag)" : "v-\(UUID().uuidString.lowercased().prefix(12))",
-              deviceID: localWins ? server.deviceID : deviceID, mtimeNs: loser.mtimeNs, size: loser.size,
+              deviceID: localWins ? server.contentAuthor : deviceID, mtimeNs: loser.mtimeNs, size: loser.size,
               chunks: loser.chunks))
         }
         if localWins { take(local, into: &out) }
@@ -79,5 +85,6 @@ public enum ConflictMerge {
     out.chunks = local.chunks
     out.size = local.size
     out.mtimeNs = local.mtimeNs
+    out.contentDeviceID = nil
   }
 }

@@ -204,8 +204,9 @@ public final class UploadWorker: @unchecked Sendable {
           let current = try await cloud.item(container, itemID: itemID), !current.deleted
         {
           // An upload whose reply was lost did reach the cloud. Our own version goes; a version
-          // another device wrote on top of it wins over this delete.
-          if current.deviceID == deviceID {
+          // another device wrote on top of it, or whose content another device wrote (a merge),
+          // wins over this delete.
+          if current.deviceID == deviceID && current.contentAuthor == deviceID {
             etag = current.etag
           } else {
             log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")

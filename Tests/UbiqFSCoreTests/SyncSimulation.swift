@@ -54,32 +54,60 @@ func liveFileNames(_ records: [CloudItem]) -> [String] {
   return names
 }
 
-/// A device's view of the shared cloud with faults a test switches on: a write may fail before
+/// A device's view of the shared cloud with faults a test switches on. A write may fail before
 /// it reaches the cloud, or reach it and lose its reply (the client cannot tell the two apart).
+/// A page of the change feed may be lost, come with its records in another order, overlap pages
+/// already delivered (a retried request), or be an old page delivered again (a late duplicate):
+/// the client must apply each record once and never go back to an older version.
 final class FlakyCloud: CloudService, @unchecked Sendable {
   let inner: CloudService
   private let lock = NSLock()
-  /// The fate of each coming write, drawn from a seed; empty means every write goes through.
-  private var fates: [Int] = []
+  /// The fate of each coming request, drawn from a seed; empty means every request goes through.
+  private var fates: [UInt64] = []
+  /// Pages served so far (at most the last 64), for late duplicates.
+  private var served: [[CloudItem]] = []
 
   init(_ inner: CloudService) { self.inner = inner }
 
-  /// Faults for the next writes, deterministically from `seed`: 0 ok, 1 fail before, 2 lost reply.
+  /// Faults for the next requests, deterministically from `seed`.
   func injectFaults(seed: Int) {
     var x = UInt64(truncatingIfNeeded: seed) &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
-    var out: [Int] = []
+    var out: [UInt64] = []
     for _ in 0..<16 {
       x = x &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
-      let r = Int((x >> 33) % 4)
-      out.append(r == 3 ? 0 : r)
+      out.append(x >> 33)
     }
     lock.withLock { fates = out }
   }
 
   func clearFaults() { lock.withLock { fates = [] } }
 
-  private func nextFate() -> Int {
+  /// The next fate: 0 (no fault) once the drawn ones are used up.
+  private func nextFate() -> UInt64 {
     lock.withLock { fates.isEmpty ? 0 : fates.removeFirst() }
+  }
+
+  /// What happens to a write: it goes through, is lost before the cloud, or its reply is lost.
+  private enum WriteFate { case ok, lostRequest, lostReply }
+  /// What happens to a page of the change feed.
+  private enum PageFate { case ok, lost, shuffled, overlapping, lateDuplicate }
+
+  private static func writeFate(_ r: UInt64) -> WriteFate {
+    switch r % 4 {
+    case 1: return .lostRequest
+    case 2: return .lostReply
+    default: return .ok
+    }
+  }
+
+  private static func pageFate(_ r: UInt64) -> PageFate {
+    switch r % 8 {
+    case 1, 2: return .lost
+    case 3: return .shuffled
+    case 4: return .overlapping
+    case 5: return .lateDuplicate
+    default: return .ok
+    }
   }
 
   /// Runs before each write with its number (1, 2, ...): lets a test act while a write is sent.
@@ -92,10 +120,10 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       return writesSent
     }
     try beforeWrite?(n)
-    let fate = nextFate()
-    if fate == 1 { throw CloudError.unavailable("simulated: request lost") }
+    let fate = Self.writeFate(nextFate())
+    if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
     let result = try await body()
-    if fate == 2 { throw CloudError.unavailable("simulated: reply lost") }
+    if fate == .lostReply { throw CloudError.unavailable("simulated: reply lost") }
     return result
   }
 
@@ -137,9 +165,45 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     try await inner.item(container, itemID: itemID)
   }
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    // A page lost on the way (the request or its reply: the same to the client).
-    if nextFate() != 0 { throw CloudError.unavailable("simulated: change page lost") }
-    return try await inner.changes(container, since: since, limit: min(limit, 3))
+    let r = nextFate()
+    switch Self.pageFate(r) {
+    case .lost:
+      // The request or its reply: the same to the client.
+      throw CloudError.unavailable("simulated: change page lost")
+    case .lateDuplicate:
+      // A page served earlier arrives again, its records as they were then; the client then asks
+      // again from where it was.
+      let old = lock.withLock { served.isEmpty ? nil : served[Int((r >> 3) % UInt64(served.count))] }
+      if let old { return ChangeBatch(items: old, token: since, hasMore: true) }
+      return try await page(container, since: since, limit: limit)
+    case .overlapping:
+      // A retried request the cloud answers from a little earlier: records already delivered
+      // come again, each at its current version.
+      let back = Int64((r >> 3) % 4) + 1
+      return try await page(container, since: max(0, since - back), limit: limit)
+    case .shuffled:
+      var batch = try await page(container, since: since, limit: limit)
+      var x = r
+      for i in stride(from: batch.items.count - 1, to: 0, by: -1) {
+        x = x &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
+        batch.items.swapAt(i, Int((x >> 33) % UInt64(i + 1)))
+      }
+      return batch
+    case .ok:
+      return try await page(container, since: since, limit: limit)
+    }
+  }
+
+  /// A page of at most three records from the cloud, remembered for late duplicates.
+  private func page(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
+    let batch = try await inner.changes(container, since: since, limit: min(limit, 3))
+    if !batch.items.isEmpty {
+      lock.withLock {
+        served.append(batch.items)
+        if served.count > 64 { served.removeFirst() }
+      }
+    }
+    return batch
   }
   func usage() async throws -> Usage { try await inner.usage() }
   func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
@@ -714,6 +778,12 @@ final class SyncSimulation {
       (0, 0, 1, 0, 0), (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (2, 8, 0, 0, 0), (2, 1, 0, 0, 0), (0, 14, 1, 0, 0),
       (2, 1, 0, 0, 0),
     ],
+    // Device 0's first upload of d reaches the cloud but its reply is lost; device 2 overwrites
+    // d; device 0's merge keeps device 2's content and its own as a conflict version, and that
+    // reply is lost too. The next merge must not take the cloud's version for device 0's own
+    // content (it committed it, but the content is device 2's): device 2's write stays (found
+    // by the simulation with feed faults, seed Op46ULsKAbapZwuE4iDQZ6OghepGU94/5a6MaQgu1TI=).
+    [(0, 0, 2, 0, 0), (0, 7, 0, 0, 947), (2, 8, 0, 0, 0), (2, 0, 2, 0, 0), (2, 6, 0, 0, 0), (0, 7, 0, 0, 2562)],
   ]
 
   @Test func knownSequences() async throws {

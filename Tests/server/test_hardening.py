@@ -143,6 +143,18 @@ def test_good_item_ids_are_accepted(api):
         assert put(api, folder(good, f"n{i}")).status == 201
 
 
+def test_device_ids_are_length_checked_and_the_content_author_round_trips(api):
+    api.ensure_container(C)
+    error(put(api, dict(folder("dev1", "dev1"), deviceID="d" * 129)), 400, "invalid")
+    error(put(api, dict(item("dev2", "dev2.bin"), contentDeviceID="d" * 129)), 400, "invalid")
+    stored = put(api, dict(item("dev3", "dev3.bin"), deviceID="device-a", contentDeviceID="device-b")).json()
+    assert stored["contentDeviceID"] == "device-b"
+    assert api.get(f"{CQ}/items/dev3").json()["contentDeviceID"] == "device-b"
+    # A delete is this device's own: the tombstone names no other author.
+    gone = api.delete(f"{CQ}/items/dev3", headers={"If-Match": f'"{stored["etag"]}"'}).json()
+    assert gone["deleted"] and gone.get("contentDeviceID") is None
+
+
 def test_bad_parent_ids_are_refused(api):
     api.ensure_container(C)
     error(put(api, folder("p1", "p1", parent="../documents")), 400, "invalid_id")
