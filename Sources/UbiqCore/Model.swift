@@ -148,6 +148,16 @@ public struct CloudItem: Codable, Equatable, Sendable {
   }
 }
 
+/// The wall clock one device reads for what it records (mtimes, ctimes, when a queued upload
+/// is due): the system's, or a simulated one that a test sets and advances.
+public struct WallClock: Sendable {
+  private let read: @Sendable () -> Int64
+  public init(_ read: @escaping @Sendable () -> Int64) { self.read = read }
+  /// Nanoseconds since the Unix epoch.
+  public func nowNs() -> Int64 { read() }
+  public static let system = WallClock { Clock.nowNs() }
+}
+
 /// Wall-clock helpers in nanoseconds since the Unix epoch (the unit the index stores).
 public enum Clock {
   public static func nowNs() -> Int64 {

@@ -128,7 +128,7 @@ public final class FilesystemCore: @unchecked Sendable {
 
   public func setattr(_ inode: Int64, _ update: AttributeUpdate, handle: UInt64? = nil) throws -> FileAttributes {
     var c = AttributeChanges()
-    let now = Clock.nowNs()
+    let now = self.index.clock.nowNs()
     c.mode = update.mode
     c.uid = update.uid
     c.gid = update.gid
@@ -538,7 +538,7 @@ public final class FilesystemCore: @unchecked Sendable {
         }
         done += n
       }
-      inodes.noteWritten(f.inode, mtimeNs: Clock.nowNs())
+      inodes.noteWritten(f.inode, mtimeNs: self.index.clock.nowNs())
       return done
     }
   }
@@ -636,7 +636,7 @@ public final class FilesystemCore: @unchecked Sendable {
       try beginWrite(f)
       let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
       if r != 0 { throw UbiqError.posix(r, "fallocate") }
-      inodes.noteWritten(f.inode, mtimeNs: Clock.nowNs())
+      inodes.noteWritten(f.inode, mtimeNs: self.index.clock.nowNs())
     }
   }
 

@@ -149,7 +149,7 @@ extension IndexStore {
         sql: """
           UPDATE uploadQueue SET attempts = attempts + 1, lastError = ?, lastErrno = ?, nextAttemptNs = ?
           WHERE seq = ?
-          """, arguments: [error, errno, Clock.nowNs() + backoff, seq])
+          """, arguments: [error, errno, self.clock.nowNs() + backoff, seq])
     }
   }
 
@@ -157,7 +157,7 @@ extension IndexStore {
   public func postpone(seq: Int64, byNs: Int64) throws {
     try pool.write { db in
       try db.execute(
-        sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE seq = ?", arguments: [Clock.nowNs() + byNs, seq])
+        sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE seq = ?", arguments: [self.clock.nowNs() + byNs, seq])
     }
   }
 
@@ -166,7 +166,7 @@ extension IndexStore {
     try pool.write { db in
       try db.execute(
         sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?",
-        arguments: [Clock.nowNs(), Clock.nowNs()])
+        arguments: [self.clock.nowNs(), self.clock.nowNs()])
     }
   }
 

@@ -149,7 +149,7 @@ extension IndexStore {
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
           sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [moved, Clock.nowNs(), otherID])
+          arguments: [moved, self.clock.nowNs(), otherID])
         try self.enqueue(db, otherID)
         stale += [(parent, other.name), (parent, moved)]
       case .recordYields:
@@ -169,7 +169,7 @@ extension IndexStore {
       row.name = name
       row.mode = r.mode
       row.mtimeNs = r.mtimeNs
-      row.ctimeNs = Clock.nowNs()
+      row.ctimeNs = self.clock.nowNs()
       row.size = r.size
       row.symlinkTarget = r.symlinkTarget
       row.etag = r.etag
@@ -221,7 +221,7 @@ extension IndexStore {
       let wasLocalOnly = try Self.isLocalOnly(db, folder)
       try db.execute(
         sql: "UPDATE items SET parent = ?, name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-        arguments: [back, name, Clock.nowNs(), folder])
+        arguments: [back, name, self.clock.nowNs(), folder])
       try enqueueMoved(db, folder, wasLocalOnly: wasLocalOnly)
       if let p = row.parent { stale.append((p, row.name)) }
       stale.append((back, name))
@@ -342,7 +342,7 @@ extension IndexStore {
       else { return false }
       try db.execute(
         sql: "UPDATE items SET content = ?, lastUsedNs = ? WHERE id = ?",
-        arguments: [ContentState.cached.rawValue, Clock.nowNs(), inode])
+        arguments: [ContentState.cached.rawValue, self.clock.nowNs(), inode])
       return true
     }
   }
@@ -443,7 +443,7 @@ extension IndexStore {
         contentChanged = true
       }
       row.conflicts = nil
-      row.ctimeNs = Clock.nowNs()
+      row.ctimeNs = self.clock.nowNs()
       row.revision += 1
       try row.update(db)
       try self.enqueue(db, inode)

@@ -14,9 +14,15 @@ public final class IndexStore: @unchecked Sendable {
   /// Uploads wait this long after the last change, so that temp files renamed or deleted quickly
   /// (editor saves, sqlite journals) never travel.
   public var uploadDelayNs: Int64 = 1_000_000_000
+  /// The time every change recorded here is stamped with, and queue due times are counted in.
+  public let clock: WallClock
 
   /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
-  public init(path: String, readOnly: Bool = false, statementObserver: (@Sendable (String) -> Void)? = nil) throws {
+  public init(
+    path: String, readOnly: Bool = false, clock: WallClock = .system,
+    statementObserver: (@Sendable (String) -> Void)? = nil
+  ) throws {
+    self.clock = clock
     var config = Configuration()
     config.busyMode = .timeout(10)
     config.readonly = readOnly
@@ -164,7 +170,7 @@ public final class IndexStore: @unchecked Sendable {
       if try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [Self.rootInode]) != nil {
         return
       }
-      let now = Clock.nowNs()
+      let now = self.clock.nowNs()
       var root = ItemRow(
         id: Self.rootInode, itemID: WellKnownItem.root, parent: nil, name: "", kind: .directory, mode: 0o755,
         uid: uid, gid: gid, mtimeNs: now)
@@ -322,7 +328,7 @@ public final class IndexStore: @unchecked Sendable {
       }
       guard p.isDirectory else { throw UbiqError.notDirectory(p.name) }
       if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
-      let now = Clock.nowNs()
+      let now = self.clock.nowNs()
       var row = ItemRow(
         itemID: UUID().uuidString.lowercased(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,
         size: Int64(symlinkTarget?.utf8.count ?? 0), mtimeNs: now, symlinkTarget: symlinkTarget)
@@ -360,7 +366,7 @@ public final class IndexStore: @unchecked Sendable {
         throw UbiqError.isDirectory(name)
       }
       try self.deleteRow(db, row)
-      try Self.touchDirectory(db, parent, Clock.nowNs())
+      try Self.touchDirectory(db, parent, self.clock.nowNs())
       return row
     }
   }
@@ -415,7 +421,7 @@ public final class IndexStore: @unchecked Sendable {
   func enqueueDelete(
     _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false
   ) throws {
-    let now = Clock.nowNs()
+    let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud,
@@ -431,7 +437,7 @@ public final class IndexStore: @unchecked Sendable {
   /// Queues (or re-arms) the upload of an item, unless it is local-only.
   func enqueue(_ db: Database, _ inode: Int64) throws {
     if try Self.isLocalOnly(db, inode) { return }
-    let now = Clock.nowNs()
+    let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
@@ -496,7 +502,7 @@ public final class IndexStore: @unchecked Sendable {
       if mode == .noReplace && dstID != nil { throw UbiqError.exists(newName) }
       if mode == .exchange && dstID == nil { throw UbiqError.notFound(newName) }
       if src.isDirectory { try Self.refuseMoveBelowItself(db, srcID, into: newParent) }
-      let now = Clock.nowNs()
+      let now = self.clock.nowNs()
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
       var replaced: ItemRow? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
@@ -636,7 +642,7 @@ public final class IndexStore: @unchecked Sendable {
       guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
         throw UbiqError.notFound("inode \(inode)")
       }
-      let now = Clock.nowNs()
+      let now = self.clock.nowNs()
       if let m = c.mode { row.mode = m & 0o7777 }
       if let u = c.uid { row.uid = u }
       if let g = c.gid { row.gid = g }
@@ -671,7 +677,7 @@ public final class IndexStore: @unchecked Sendable {
         UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
           revision = revision + 1, lastUsedNs = ? WHERE id = ?
         """
-      ).execute(arguments: [size, mtimeNs, Clock.nowNs(), ContentState.cached.rawValue, Clock.nowNs(), inode])
+      ).execute(arguments: [size, mtimeNs, self.clock.nowNs(), ContentState.cached.rawValue, self.clock.nowNs(), inode])
       if db.changesCount > 0 {
         try self.enqueue(db, inode)
         if synced {
@@ -779,7 +785,8 @@ public final class IndexStore: @unchecked Sendable {
       try db.execute(
         sql: "INSERT OR REPLACE INTO xattrs(item, name, value) VALUES (?, ?, ?)", arguments: [inode, name, value])
       try db.execute(
-        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?", arguments: [Clock.nowNs(), inode])
+        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+        arguments: [self.clock.nowNs(), inode])
       try self.enqueue(db, inode)
     }
   }
@@ -789,7 +796,8 @@ public final class IndexStore: @unchecked Sendable {
       try db.cached("DELETE FROM xattrs WHERE item = ? AND name = ?").execute(arguments: [inode, name])
       if db.changesCount == 0 { throw UbiqError.noData(name) }
       try db.execute(
-        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?", arguments: [Clock.nowNs(), inode])
+        sql: "UPDATE items SET ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+        arguments: [self.clock.nowNs(), inode])
       try self.enqueue(db, inode)
     }
   }

@@ -131,7 +131,7 @@ public struct FileContent: Sendable {
     inodes.noteReplaced(inode)
     if ftruncate(cacheFD, off_t(size)) != 0 { throw UbiqError.posix(errno, "truncate") }
     try index.recordContentChange(
-      inode, size: size, mtimeNs: Clock.nowNs(), clean: inodes.dirtyHandleCount(inode) == 0)
+      inode, size: size, mtimeNs: self.index.clock.nowNs(), clean: inodes.dirtyHandleCount(inode) == 0)
   }
 
   /// Whether an open for writing with O_TRUNC changes anything (it then `truncate`s, which
@@ -281,7 +281,7 @@ public struct FileContent: Sendable {
         continue
       }
       // The last write's time, unless an explicit time was set after it (touch, cp -p).
-      let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? Clock.nowNs()
+      let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? self.index.clock.nowNs()
       let mtime: Int64? = row.ctimeNs >= written ? nil : written
       try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true, synced: synced)
       log.warning(

@@ -118,7 +118,7 @@ public final class UploadWorker: @unchecked Sendable {
       }
       var didWork = false
       do {
-        let due = try index.dueQueue(now: Clock.nowNs(), limit: 64)
+        let due = try index.dueQueue(now: self.index.clock.nowNs(), limit: 64)
         if !due.isEmpty {
           didWork = true
           if await drain(due) { return }
@@ -137,7 +137,7 @@ public final class UploadWorker: @unchecked Sendable {
         waitedNs += step
         let wake = lock.withLock { kicked || stopped }
         if wake { break }
-        if let nextDue, Clock.nowNs() >= nextDue { break }
+        if let nextDue, self.index.clock.nowNs() >= nextDue { break }
         if waitedNs >= 1_000_000_000 { break }
       }
     }

@@ -28,12 +28,19 @@ final class CoreWorld: @unchecked Sendable {
 
   /// Handed the SQL of every statement the index runs (nil: not traced).
   let statementObserver: (@Sendable (String) -> Void)?
+  /// The device's wall clock (mtimes, when queued uploads are due).
+  let clock: WallClock
+  /// The drains below take only the entries due by `clock` (a failed upload waits out its
+  /// backoff); otherwise every queued entry is due.
+  var uploadsWaitForBackoff = false
 
   /// `cloud`: the cloud this device syncs with (default: a new embedded engine of its own).
   init(
-    cloud: CloudService? = nil, cloudDirectory: URL? = nil, statementObserver: (@Sendable (String) -> Void)? = nil
+    cloud: CloudService? = nil, cloudDirectory: URL? = nil, clock: WallClock = .system,
+    statementObserver: (@Sendable (String) -> Void)? = nil
   ) throws {
     self.statementObserver = statementObserver
+    self.clock = clock
     root = Self.temporaryFolder("ubiq-core")
     try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
     var log = Logger(label: "core-test")
@@ -71,7 +78,7 @@ final class CoreWorld: @unchecked Sendable {
     let state = root.appendingPathComponent("state")
     try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
     let index = try IndexStore(
-      path: state.appendingPathComponent("index.sqlite").path, statementObserver: statementObserver)
+      path: state.appendingPathComponent("index.sqlite").path, clock: clock, statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
     for id in [WellKnownItem.root, WellKnownItem.documents] {
@@ -144,6 +151,9 @@ final class CoreWorld: @unchecked Sendable {
     downloader?.stopAll()
   }
 
+  /// The time the drains take queued entries up to.
+  private var dueBy: Int64 { uploadsWaitForBackoff ? clock.nowNs() : Int64.max / 2 }
+
   /// Uploads everything queued (the upload delay is 0 here) but the content of files a handle
   /// holds unflushed writes of: as on the mount, such a file's new place reaches the cloud and
   /// its content waits for the handle's flush.
@@ -155,7 +165,7 @@ final class CoreWorld: @unchecked Sendable {
     // and then waits for the flush: the queue is drained once only such entries are left.
     var passesWithOnlyHeldEntries = 0
     for _ in 0..<50 {
-      let due = try index.dueQueue(now: Int64.max / 2, limit: 64)
+      let due = try index.dueQueue(now: dueBy, limit: 64)
       if due.isEmpty { return }
       if due.allSatisfy(heldByAWriter) {
         passesWithOnlyHeldEntries += 1
@@ -169,7 +179,7 @@ final class CoreWorld: @unchecked Sendable {
 
   /// One pass over the entries due now; what fails or is postponed stays queued.
   func drainUploadsOnce() throws {
-    let due = try index.dueQueue(now: Int64.max / 2, limit: 64)
+    let due = try index.dueQueue(now: dueBy, limit: 64)
     let w = worker!
     if !due.isEmpty { _ = try runBlocking { await w.drain(due) } }
   }

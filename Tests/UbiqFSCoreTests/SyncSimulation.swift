@@ -211,6 +211,37 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
 }
 
+/// Simulated time for the devices of a simulation: one time that the steps advance, seen by
+/// each device through a clock of its own with a fixed skew. A device's clock moves on by a
+/// microsecond at each read, so its own stamps stay in order, and starts over from the shared
+/// time at each advance, so two devices can stamp the same instant (the tie-break decides).
+final class SimulatedTime: @unchecked Sendable {
+  private let lock = NSLock()
+  /// Nanoseconds since the Unix epoch (2026-11-18 at the start).
+  private var now: Int64 = 1_795_000_000_000_000_000
+  private var reads: [Int: Int64] = [:]
+  /// Device 2's clock is 1.5 s behind: its later saves can carry older mtimes.
+  static let skews: [Int64] = [0, 0, -1_500_000_000]
+
+  func advance(byNs ns: Int64) {
+    lock.withLock {
+      now += ns
+      reads = [:]
+    }
+  }
+
+  func clock(device: Int) -> WallClock {
+    let skew = Self.skews[device % Self.skews.count]
+    return WallClock { [self] in
+      lock.withLock {
+        let n = reads[device, default: 0]
+        reads[device] = n + 1
+        return now + skew + n * 1_000
+      }
+    }
+  }
+}
+
 /// A write that returned from close: the bytes, which device wrote them and the item they
 /// went to.
 struct AcknowledgedWrite {
@@ -233,6 +264,7 @@ struct AcknowledgedWrite {
 final class SyncSimulation {
   let cloudDir: URL
   let shared: CloudEngine
+  let time = SimulatedTime()
   var links: [FlakyCloud] = []
   var devices: [CoreWorld] = []
   var writes: [AcknowledgedWrite] = []
@@ -248,10 +280,12 @@ final class SyncSimulation {
   init(devices count: Int) throws {
     cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("sim-\(UUID().uuidString)")
     shared = try CloudEngine.embedded(directory: cloudDir)
-    for _ in 0..<count {
+    for d in 0..<count {
       let link = FlakyCloud(shared)
       links.append(link)
-      devices.append(try CoreWorld(cloud: link))
+      let device = try CoreWorld(cloud: link, clock: time.clock(device: d))
+      device.uploadsWaitForBackoff = true
+      devices.append(device)
     }
     observed = Array(repeating: [], count: count)
     open = Array(repeating: [], count: count)
@@ -267,6 +301,8 @@ final class SyncSimulation {
   func run(_ s: SyncStep) throws {
     step += 1
     log.append(s.description)
+    // 0 to 1.6 s pass before each step, drawn from the step (a shrunk step takes no time).
+    time.advance(byNs: Int64((s.a + s.b + s.n) % 5) * 400_000_000)
     let d = s.device % devices.count
     let w = devices[d]
     switch SyncStep.kinds[s.kind % SyncStep.kinds.count] {
@@ -501,7 +537,10 @@ final class SyncSimulation {
   /// An upload that meets a newer cloud version merges it, so the device shows it from then on.
   func upload(_ d: Int) throws {
     let w = devices[d]
-    let due = try w.index.dueQueue(now: Int64.max / 2, limit: 64)
+    // Entries whose last attempt failed wait out their backoff; the others go.
+    let due = try w.index.dueQueue(now: w.clock.nowNs(), limit: 64)
+    let waiting = try w.index.dueQueue(now: Int64.max / 2, limit: 64).count - due.count
+    if waiting > 0 { Self.stats["uploads waiting out a backoff", default: 0] += waiting }
     if !due.isEmpty {
       let worker = w.worker!
       _ = try runBlocking { await worker.drain(due) }
@@ -530,6 +569,8 @@ final class SyncSimulation {
       closeAll(d)
     }
     for round in 0..<12 {
+      // Longer than the longest backoff: every queued upload is due.
+      time.advance(byNs: 61_000_000_000)
       var moved = false
       for d in devices.indices {
         let w = devices[d]
