@@ -131,8 +131,9 @@ let package = Package(
     .testTarget(
       name: "UbiqFSCoreTests",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFSCore",
+        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqCloud", "UbiqSync", "UbiqFSCore", "UbiqServer", "UbiqHTTPClient",
         .product(name: "Logging", package: "swift-log"),
+        .product(name: "Hummingbird", package: "hummingbird"),
         .product(name: "PropertyBased", package: "swift-property-based"),
       ]),
     .testTarget(

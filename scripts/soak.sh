@@ -33,7 +33,7 @@ what="${1:-model}"
 hours="${2:-1}"
 case "$what" in
   model) filter=coreMatchesTheReferenceModel; cases_var=UBIQ_MODEL_CASES; default_cases=2000 ;;
-  sim) filter="devicesConvergeWithNothingLost|foldersMovedIntoEachOther"; cases_var=UBIQ_SIM_CASES; default_cases=1000 ;;
+  sim) filter="devicesConvergeWithNothingLost|devicesConvergeOverHTTPWithNothingLost|foldersMovedIntoEachOther"; cases_var=UBIQ_SIM_CASES; default_cases=1000 ;;
   durability) ;;
   *) echo "soak.sh: unknown soak '$what' (known: model, sim, durability)" >&2; exit 2 ;;
 esac

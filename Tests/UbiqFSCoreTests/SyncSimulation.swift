@@ -277,11 +277,24 @@ final class SyncSimulation {
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
 
-  init(devices count: Int) throws {
+  /// The server the devices reach over HTTP, when they do.
+  let server: LoopbackServer?
+
+  /// `overHTTP`: each device reaches the cloud through the HTTP client and `ubiqfs serve`'s
+  /// router on a loopback port (a device token each), as on a mount of a server; otherwise it
+  /// calls the cloud engine in-process.
+  init(devices count: Int, overHTTP: Bool = false) throws {
     cloudDir = URL(fileURLWithPath: NSTemporaryDirectory()).appendingPathComponent("sim-\(UUID().uuidString)")
-    shared = try CloudEngine.embedded(directory: cloudDir)
+    if overHTTP {
+      let server = try LoopbackServer.start(directory: cloudDir)
+      self.server = server
+      shared = server.backend.engine(account: "sim")
+    } else {
+      server = nil
+      shared = try CloudEngine.embedded(directory: cloudDir)
+    }
     for d in 0..<count {
-      let link = FlakyCloud(shared)
+      let link = FlakyCloud(try server?.device(of: "sim", named: "device-\(d)") ?? shared)
       links.append(link)
       let device = try CoreWorld(cloud: link, clock: time.clock(device: d))
       device.uploadsWaitForBackoff = true
@@ -291,7 +304,10 @@ final class SyncSimulation {
     open = Array(repeating: [], count: count)
   }
 
-  deinit { try? FileManager.default.removeItem(at: cloudDir) }
+  deinit {
+    server?.stop()
+    try? FileManager.default.removeItem(at: cloudDir)
+  }
 
   /// A user's operation failing (ENOENT, ENOTEMPTY, ...) is part of the workload, not a finding.
   func attempt(_ body: () throws -> Void) {
@@ -1212,6 +1228,23 @@ final class SyncSimulation {
       }
     }
     print("sync simulation stats: \(SyncSimulation.stats)")
+  }
+
+  /// The same random workloads with every device reaching the cloud over HTTP (the client, the
+  /// server's router and its error mapping), on a tenth of the budget: a server per sequence.
+  @Test func devicesConvergeOverHTTPWithNothingLost() async {
+    let count = max(10, Self.cases / 10)
+    print("sync simulation over HTTP: \(count) random sequences of up to 40 steps on 3 devices")
+    await propertyCheck(count: count, input: Self.stepGenerator.array(of: 1...40)) { steps in
+      await recordingThrownErrors {
+        try await onOwnThread {
+          let sim = try SyncSimulation(devices: 3, overHTTP: true)
+          for step in steps { try sim.run(step) }
+          try sim.finish()
+        }
+      }
+    }
+    print("sync simulation over HTTP stats: \(SyncSimulation.stats)")
   }
 
   /// The tree every folder-heavy sequence starts from, on all three devices: d/e/d, e/d/e,
