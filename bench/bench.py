@@ -5,7 +5,7 @@ ubiqfs (embedded cloud on the same disk) and rclone mount (--vfs-cache-mode full
 folder).
 Not part of the test suite.
 
-    python3 bench/bench.py [--quick] [--only GROUP ...] [--results bench/results.json]
+    python3 bench/bench.py [--quick] [--passes 3] [--only GROUP ...] [--results bench/results.json]
                            [--out docs/benchmarks.md] [--report-only]
                            [--baseline OLD_BIN --baseline-label TEXT]
 
@@ -17,8 +17,9 @@ there and keeps the others, so one group can be re-measured alone. The markdown 
 ratios ubiqfs/ext4 and ubiqfs/rclone, DESIGN targets, met?) and a PNG plot next to it are then
 regenerated from the whole results file. The report keeps everything after `<!-- notes -->`.
 
-Needs: a release build (`swift build -c release`, or $UBIQFS_BIN), fio, rclone, git (apt),
-matplotlib (pip). Every mount and process it starts is stopped at the end, even on failure.
+Needs: a release build (`swift build -c release`, or $UBIQFS_BIN); fio, rclone, git, make and gcc
+are installed from apt when missing; matplotlib (pip) for the plot. Every mount and process it
+starts is stopped at the end, even on failure.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import BIN, GROUPS, ROOT, Recorder, Sizes, World, load_results, now_utc  # noqa: E402
+from common import BIN, GROUPS, ROOT, Recorder, Sizes, World, ensure_tools, load_results, now_utc  # noqa: E402
 from group_content import content_rows  # noqa: E402
 from group_durability import durability_rows  # noqa: E402
 from group_io import io_rows  # noqa: E402
@@ -50,8 +51,10 @@ WORKLOADS = {"io": io_rows, "metadata": metadata_rows, "bigdir": bigdir_rows, "t
 # main
 
 
-def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = None):
-    """Mounts ubiqfs and rclone in a fresh folder, runs the groups, unmounts everything."""
+def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = None, passes: int = 3):
+    """Mounts ubiqfs, the FUSE limit and rclone in a fresh folder, runs each group `passes`
+    times (every pass measures every target, so a noisy moment hits them alike; rows are the
+    medians), unmounts everything."""
     tmp = Path(tempfile.mkdtemp(prefix="ubiq-bench-", dir="/var/tmp"))
     w = World(tmp, baseline_bin)
     try:
@@ -63,9 +66,11 @@ def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = Non
             print(f"[{group}]", flush=True)
             rec.group = group
             t0 = time.perf_counter()
-            WORKLOADS[group](w, targets, sz, rec)
+            for k in range(passes):
+                print(f"[{group}] pass {k + 1} of {passes}", flush=True)
+                WORKLOADS[group](w, targets, sz, rec)
             secs = time.perf_counter() - t0
-            rec.finish_group(group, secs)
+            rec.finish_group(group, secs, passes)
             print(f"[{group}] done in {secs:.0f} s", flush=True)
     finally:
         w.unmount_ubiq()
@@ -86,18 +91,21 @@ def main():
     ap.add_argument("--baseline", type=Path, help="an older ubiqfs binary the durability group also measures")
     ap.add_argument("--baseline-label", default="baseline", help="what the baseline is, for the report")
     ap.add_argument("--report-only", action="store_true", help="measure nothing; regenerate report and plot")
+    ap.add_argument("--passes", type=int, default=3, help="passes of each group; rows are medians (default 3)")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` still unmounts
     out, results = Path(args.out), Path(args.results)
     if not args.report_only:
         if not BIN.exists():
             sys.exit(f"build first: swift build -c release ({BIN} missing)")
+        ensure_tools()
         groups = [g for g in GROUPS if g in (args.only or GROUPS)]
         run = {"id": now_utc(), "started": now_utc().replace("T", " ").replace("Z", " UTC"),
-               "command": " ".join(["python3 bench/bench.py", *sys.argv[1:]]), "quick": args.quick}
+               "command": " ".join(["python3 bench/bench.py", *sys.argv[1:]]), "quick": args.quick,
+               "passes": args.passes}
         if args.baseline:
             run["baseline"] = args.baseline_label
-        run_groups(groups, Sizes(args.quick), Recorder(results, run), args.baseline)
+        run_groups(groups, Sizes(args.quick), Recorder(results, run), args.baseline, max(1, args.passes))
     data = load_results(results)
     if not data["rows"]:
         sys.exit(f"no results in {results}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,6 +30,20 @@ DRAIN_TIMEOUT_S = 3600
 
 # --------------------------------------------------------------------------------------------
 # helpers
+
+# Commands the groups run, and the Debian package of each.
+TOOLS = {"fio": "fio", "rclone": "rclone", "git": "git", "make": "make", "cc": "gcc", "tar": "tar"}
+
+
+def ensure_tools():
+    """Installs (apt) the packages of the commands the groups run that are missing."""
+    missing = sorted({pkg for cmd, pkg in TOOLS.items() if shutil.which(cmd) is None})
+    if missing:
+        print(f"installing {', '.join(missing)} (apt)", flush=True)
+        sudo = [] if os.geteuid() == 0 else ["sudo"]
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run([*sudo, "apt-get", "update", "-qq"], check=True, env=env)
+        subprocess.run([*sudo, "apt-get", "install", "-y", "-qq", *missing], check=True, env=env)
 
 
 def sh(*args, check=True, env=None, cwd=None, capture=True):
@@ -250,7 +266,9 @@ class World:
 
 
 class Recorder:
-    """Collects the rows of one run; each finished group is merged into the results file."""
+    """Collects the rows of one run; each finished group is merged into the results file.
+    A group runs several passes; a row measured in several passes is recorded as the median
+    of each target's values, with every pass's value kept next to it (`passes`)."""
 
     def __init__(self, path: Path, run: dict):
         self.path = path
@@ -259,7 +277,7 @@ class Recorder:
         self.group = None
 
     def row(self, key, name, unit, values, higher_is_better=True):
-        """Records one measured row of the current group and prints it."""
+        """Records one measured row of the current group (one pass) and prints it."""
         self.rows.append({
             "key": key, "name": name, "unit": unit, "group": self.group,
             "values": {k: values[k] for k in VALUE_NAMES if k in values},
@@ -267,12 +285,29 @@ class Recorder:
         })
         print(f"  {name:58} " + "  ".join(f"{k}={v:.2f}" for k, v in values.items()), flush=True)
 
-    def finish_group(self, group, seconds):
+    @staticmethod
+    def medians(rows: list[dict]) -> list[dict]:
+        """One row per key: each target's median over the passes that measured it, the values
+        of every pass in `passes`, the last pass's time in `measured_at`."""
+        by_key: dict[str, list[dict]] = {}
+        for r in rows:
+            by_key.setdefault(r["key"], []).append(r)
+        out = []
+        for same in by_key.values():
+            row = dict(same[-1])
+            names = [k for k in VALUE_NAMES if any(k in r["values"] for r in same)]
+            row["passes"] = {k: [r["values"][k] for r in same if k in r["values"]] for k in names}
+            row["values"] = {k: statistics.median(v) for k, v in row["passes"].items()}
+            out.append(row)
+        return out
+
+    def finish_group(self, group, seconds, passes=1):
         """Merges the rows of `group` into the results file (replacing that group's old rows)."""
-        self.run.setdefault("groups", {})[group] = {"seconds": round(seconds, 1), "finished_at": now_utc()}
+        self.run.setdefault("groups", {})[group] = {
+            "seconds": round(seconds, 1), "finished_at": now_utc(), "passes": passes}
         data = load_results(self.path)
         data["runs"][self.run["id"]] = self.run
-        mine = [r for r in self.rows if r["group"] == group]
+        mine = self.medians([r for r in self.rows if r["group"] == group])
         data["rows"] = [r for r in data["rows"] if r["group"] != group] + mine
         data["rows"].sort(key=lambda r: GROUPS.index(r["group"]) if r["group"] in GROUPS else len(GROUPS))
         used = {r["run"] for r in data["rows"]}

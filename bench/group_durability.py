@@ -13,7 +13,6 @@ from pathlib import Path
 from common import Recorder, Sizes, Target, World, remove_tree
 
 BLOCK = 4096
-REPEATS = 3  # each figure is the median of this many passes
 
 
 def create_files(d: Path, n: int, fsync: bool) -> list[float]:
@@ -63,10 +62,10 @@ def atomic_saves(d: Path, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def one_pass(t: Target, sz: Sizes, k: int) -> dict:
+def one_pass(t: Target, sz: Sizes) -> dict:
     """Every workload once in a fresh folder of `t`; uploads are drained before and after, so
     they never overlap the next pass."""
-    d = t.path / f"durability-{k}"
+    d = t.path / "durability"
     d.mkdir()
     n = sz.fsync_n
     r = {"create": n / sum(create_files(d, n, fsync=False))}
@@ -88,23 +87,22 @@ def durability_rows(w: World, targets, sz: Sizes, rec: Recorder):
     if w.baseline_bin:
         measured.append(w.mount_baseline())
     try:
-        passes = {t.name: [] for t in measured}
-        for k in range(REPEATS):  # interleaved, so a noisy moment hits every target alike
-            for t in measured:
-                t.drain()
-                passes[t.name].append(one_pass(t, sz, k))
+        res = {}
+        for t in measured:
+            t.drain()
+            res[t.name] = one_pass(t, sz)
     finally:
         w.unmount_baseline()
 
-    def median(key):
-        return {name: statistics.median(p[key] for p in ps) for name, ps in passes.items()}
+    def pick(key):  # this pass; the rows of the run's passes become medians
+        return {name: r[key] for name, r in res.items()}
 
     n = sz.fsync_n
-    rec.row("fsync_create", f"create + 4 KiB write + close ({n} files)", "files/s", median("create"))
+    rec.row("fsync_create", f"create + 4 KiB write + close ({n} files)", "files/s", pick("create"))
     rec.row("fsync_create_fsync", f"create + 4 KiB write + fsync + close ({n} files)", "files/s",
-            median("create_fsync"))
+            pick("create_fsync"))
     rec.row("fsync_create_fsync_p99", "create + write + fsync + close, p99 latency", "ms",
-            median("create_fsync_p99"), higher_is_better=False)
-    rec.row("fsync_append", f"4 KiB append + fdatasync ({n} times, one file)", "ops/s", median("append"))
+            pick("create_fsync_p99"), higher_is_better=False)
+    rec.row("fsync_append", f"4 KiB append + fdatasync ({n} times, one file)", "ops/s", pick("append"))
     rec.row("fsync_save", f"atomic save: temp + fsync + rename + fsync dir ({n // 4} saves)", "saves/s",
-            median("save"))
+            pick("save"))

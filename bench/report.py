@@ -68,7 +68,10 @@ def target_met(row, target):
 
 
 def ratio(row, ref):
+    """ubiqfs / ref; None for counts (entries refused), which are not compared as ratios."""
     v = row["values"]
+    if row["unit"] == "entries":
+        return None
     return v["ubiqfs"] / v[ref] if "ubiqfs" in v and v.get(ref) else None
 
 
@@ -170,6 +173,8 @@ def write_report(data, out: Path, png: Path | None, results: Path):
         "",
         *run_summary(data),
         "",
+        "Each group runs several passes (`--passes`, 3 by default), every pass on every system in turn, and each",
+        "figure is the median of its passes (all of them are kept in the results file, under `passes`).",
         "Ratios are ubiqfs / ext4, ubiqfs / FUSE limit and ubiqfs / rclone of the numbers shown: for rates (MiB/s, ops/s) higher",
         "is better, for times (s, ms) lower is better, so a time ratio < 1 means ubiqfs was faster.",
         "`target` is the DESIGN.md target or the performance goal where one applies, `met?` is computed from the",
