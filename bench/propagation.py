@@ -83,8 +83,11 @@ def stop(proc):
 def start_server(binary, data: Path):
     """Starts `ubiqfs serve` on a free loopback port; returns (process, url, account token)."""
     port = free_port()
-    server = subprocess.Popen([str(binary), "serve", "--listen", f"127.0.0.1:{port}", "--data", str(data)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    data.mkdir(parents=True, exist_ok=True)
+    log = data.parent / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([str(binary), "serve", "--listen", f"127.0.0.1:{port}", "--data", str(data)],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         for _ in range(200):
             try:
@@ -94,7 +97,15 @@ def start_server(binary, data: Path):
                 time.sleep(0.05)
         else:
             raise RuntimeError("could not create the server account")
-        time.sleep(0.3)
+        # The account is made in the data folder directly; wait until the server listens.
+        for _ in range(400):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError(f"ubiqfs serve is not listening on port {port}: {log.read_text()[-500:]}")
     except BaseException:
         stop(server)
         raise
