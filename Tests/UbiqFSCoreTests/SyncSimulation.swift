@@ -1216,35 +1216,34 @@ final class SyncSimulation {
     }
   }
 
-  @Test func devicesConvergeWithNothingLost() async {
-    print("sync simulation: \(Self.cases) random sequences of up to 40 steps on 3 devices (UBIQ_SIM_CASES)")
-    await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...40)) { steps in
+  /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
+  /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
+  static func randomSequences(
+    _ what: String, count: Int, generator: Generator<SyncStep, some SendableSequenceType>, setup: [SyncStep] = [],
+    overHTTP: Bool = false
+  ) async {
+    print("\(what): \(count) random sequences of up to 40 steps on 3 devices")
+    await propertyCheck(count: count, input: generator.array(of: 1...40)) { steps in
       await recordingThrownErrors {
         try await onOwnThread {
-          let sim = try SyncSimulation(devices: 3)
-          for step in steps { try sim.run(step) }
+          let sim = try SyncSimulation(devices: 3, overHTTP: overHTTP)
+          for step in setup + steps { try sim.run(step) }
           try sim.finish()
         }
       }
     }
-    print("sync simulation stats: \(SyncSimulation.stats)")
+    print("\(what) stats: \(SyncSimulation.stats)")
+  }
+
+  @Test func devicesConvergeWithNothingLost() async {
+    await Self.randomSequences("sync simulation (UBIQ_SIM_CASES)", count: Self.cases, generator: Self.stepGenerator)
   }
 
   /// The same random workloads with every device reaching the cloud over HTTP (the client, the
   /// server's router and its error mapping), on a tenth of the budget: a server per sequence.
   @Test func devicesConvergeOverHTTPWithNothingLost() async {
-    let count = max(10, Self.cases / 10)
-    print("sync simulation over HTTP: \(count) random sequences of up to 40 steps on 3 devices")
-    await propertyCheck(count: count, input: Self.stepGenerator.array(of: 1...40)) { steps in
-      await recordingThrownErrors {
-        try await onOwnThread {
-          let sim = try SyncSimulation(devices: 3, overHTTP: true)
-          for step in steps { try sim.run(step) }
-          try sim.finish()
-        }
-      }
-    }
-    print("sync simulation over HTTP stats: \(SyncSimulation.stats)")
+    await Self.randomSequences(
+      "sync simulation over HTTP", count: max(10, Self.cases / 10), generator: Self.stepGenerator, overHTTP: true)
   }
 
   /// The tree every folder-heavy sequence starts from, on all three devices: d/e/d, e/d/e,
@@ -1292,17 +1291,8 @@ final class SyncSimulation {
   }
 
   @Test func foldersMovedIntoEachOtherConvergeWithNothingLost() async {
-    let cases = max(1, Self.cases / 3)
-    print("folder simulation: \(cases) random sequences of up to 40 steps on 3 devices (a third of UBIQ_SIM_CASES)")
-    await propertyCheck(count: cases, input: Self.folderStepGenerator.array(of: 1...40)) { steps in
-      await recordingThrownErrors {
-        try await onOwnThread {
-          let sim = try SyncSimulation(devices: 3)
-          for step in Self.folderSetup + steps { try sim.run(step) }
-          try sim.finish()
-        }
-      }
-    }
-    print("folder simulation stats: \(SyncSimulation.stats)")
+    await Self.randomSequences(
+      "folder simulation (a third of UBIQ_SIM_CASES)", count: max(1, Self.cases / 3),
+      generator: Self.folderStepGenerator, setup: Self.folderSetup)
   }
 }
