@@ -323,6 +323,58 @@ extension FilesystemCoreTests {
   }
 }
 
+/// Names are byte-exact on every device and in the cloud: a rename that changes only the case
+/// is an ordinary rename, and a concurrent file with the new name makes the later one "F 2";
+/// two names that differ only in Unicode normalization are two files everywhere.
+@Test func caseAndNormalizationOnlyRenamesConvergeAsOrdinaryNames() throws {
+  let (a, b, _) = try CoreWorld.pair()
+  _ = try a.writeFile("f", Data("from a\n".utf8))
+  try a.drainUploads()
+  try b.pull()
+  // a: mv f F; b: edits f and creates F, before it sees the rename.
+  try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "F", flags: [])
+  _ = try b.writeFile("f", Data("edited on b\n".utf8))
+  _ = try b.writeFile("F", Data("new F on b\n".utf8))
+  try a.drainUploads()
+  try b.drainUploads()
+  try a.pull()
+  try b.pull()
+  try a.drainUploads()
+  try b.drainUploads()
+  try a.pull()
+  try b.pull()
+  // The NFC and the NFD spelling of "é", one on each device.
+  let nfc = "caf\u{e9}"
+  let nfd = "cafe\u{301}"
+  _ = try a.writeFile(nfc, Data("nfc\n".utf8))
+  _ = try b.writeFile(nfd, Data("nfd\n".utf8))
+  for _ in 0..<2 {
+    try a.drainUploads()
+    try b.drainUploads()
+    try a.pull()
+    try b.pull()
+  }
+  // Keyed by the names' bytes: Swift's String equality would take the two spellings as one.
+  func listing(_ w: CoreWorld) throws -> [[UInt8]: String] {
+    var names: [String] = []
+    try w.core.readdir(w.documents, offset: 2) { e in
+      names.append(e.name)
+      return true
+    }
+    return try Dictionary(
+      uniqueKeysWithValues: names.map { (Array($0.utf8), String(decoding: try w.readFile($0), as: UTF8.self)) })
+  }
+  let seen = try listing(a)
+  #expect(seen == (try listing(b)))
+  #expect(seen.count == 4)
+  // The renamed file keeps b's edit; b's new F takes the other name.
+  #expect(Set(seen.values) == ["edited on b\n", "new F on b\n", "nfc\n", "nfd\n"])
+  #expect(seen[Array("F".utf8)] == "edited on b\n" || seen[Array("F 2".utf8)] == "edited on b\n")
+  #expect(seen[Array(nfc.utf8)] == "nfc\n")
+  #expect(seen[Array(nfd.utf8)] == "nfd\n")
+  #expect(seen[Array("f".utf8)] == nil)
+}
+
 /// A size query and the read that follows it agree on the value, whether it grew or shrank in
 /// between (`rsync -X` compares the two lengths).
 @Test func xattrSnapshotsAnswerTheSizeThatWasAskedFor() {
