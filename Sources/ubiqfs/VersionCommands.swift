@@ -51,7 +51,8 @@ struct VersionsCommand: ParsableCommand {
       func time(_ ns: Int64) -> String { fmt.string(from: Date(timeIntervalSince1970: Double(ns) / 1e9)) }
       var entries = [
         Entry(
-          version: row.etag.map { "v\($0)" } ?? "local", current: true, device: row.baseItem?.deviceID ?? "this device",
+          version: row.etag.map { "v\($0)" } ?? "local", current: true,
+          device: row.baseItem?.contentAuthor ?? "this device",
           mtime: time(row.mtimeNs), size: row.size)
       ]
       for v in row.conflictList {

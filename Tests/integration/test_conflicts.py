@@ -70,6 +70,9 @@ def test_concurrent_edits_keep_a_conflict_version(pair):
         wait_for(lambda: Ubiq.xattr(u.docs / "plan.txt", "user.ubiq.conflicts") == "1", what="conflict count")
     vs = versions(a, a.docs / "plan.txt")
     assert [v["current"] for v in vs] == [True, False]
+    # Each version names the device that wrote its content, whichever device merged them.
+    assert vs[0]["device"] != vs[1]["device"]
+    assert versions(b, b.docs / "plan.txt")[0]["device"] == vs[0]["device"]
     # Every version is readable.
     assert a.run("versions", a.docs / "plan.txt", "--cat", vs[1]["version"]).stdout == "edit from A\n"
     assert b.run("versions", b.docs / "plan.txt", "--cat", vs[1]["version"]).stdout == "edit from A\n"
