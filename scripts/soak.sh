@@ -8,6 +8,8 @@
 #   scripts/soak.sh sim [HOURS]     the multi-device sync simulation
 #                                   (Tests/UbiqFSCoreTests/SyncSimulation.swift), rounds of
 #                                   UBIQ_SIM_CASES sequences (default 1000).
+#                                   Both lift the time budget CI gives these tests (UBIQ_MODEL_SECONDS,
+#                                   UBIQ_SIM_SECONDS), so every round runs all its sequences.
 #   scripts/soak.sh durability [HOURS]
 #                                   power losses (Tests/integration/test_power_loss.py): rounds
 #                                   of the client test with UBIQ_POWER_LOSSES power losses each
@@ -32,8 +34,16 @@ export PATH="/opt/swift/usr/bin:$PATH"
 what="${1:-model}"
 hours="${2:-1}"
 case "$what" in
-  model) filter=coreMatchesTheReferenceModel; cases_var=UBIQ_MODEL_CASES; default_cases=2000 ;;
-  sim) filter="devicesConvergeWithNothingLost|devicesConvergeOverHTTPWithNothingLost|foldersMovedIntoEachOther"; cases_var=UBIQ_SIM_CASES; default_cases=1000 ;;
+  model)
+    filter=coreMatchesTheReferenceModel
+    cases_var=UBIQ_MODEL_CASES default_cases=2000
+    export UBIQ_MODEL_SECONDS="${UBIQ_MODEL_SECONDS:-1000000000}"
+    ;;
+  sim)
+    filter="devicesConvergeWithNothingLost|devicesConvergeOverHTTPWithNothingLost|foldersMovedIntoEachOther"
+    cases_var=UBIQ_SIM_CASES default_cases=1000
+    export UBIQ_SIM_SECONDS="${UBIQ_SIM_SECONDS:-1000000000}"
+    ;;
   durability) ;;
   *) echo "soak.sh: unknown soak '$what' (known: model, sim, durability)" >&2; exit 2 ;;
 esac
@@ -169,7 +179,8 @@ while [ "$(date +%s)" -lt "$deadline" ]; do
     echo "soak: round $rounds FAILED after $sequences sequences ($steps steps); full output: $log" >&2
     exit 1
   fi
-  sequences=$((sequences + cases))
+  round_sequences="$(echo "$out" | sed -n 's/.*: \([0-9]*\) of [0-9]* sequences in.*/\1/p' | awk '{ s += $1 } END { print s + 0 }')"
+  sequences=$((sequences + ${round_sequences:-0}))
   echo "soak: round $rounds passed ($sequences sequences, $steps steps so far)"
 done
 echo "soak: $rounds rounds, $sequences sequences, $steps steps, no failure; log: $log"

@@ -514,11 +514,14 @@ final class ModelRun {
   }
 }
 
-/// Random operation sequences against the core and the reference model. The number of cases
-/// comes from UBIQ_MODEL_CASES (CI's budget by default; scripts/soak.sh sets more). A failure
-/// prints the shrunk step list and the seed to replay it (`.fixedSeed(...)` on the test).
+/// Random operation sequences against the core and the reference model. At most
+/// UBIQ_MODEL_CASES sequences run, and none starts after UBIQ_MODEL_SECONDS (CI's budget by
+/// default; scripts/soak.sh sets more cases and no time limit). A failure prints the shrunk step
+/// list and the seed to replay it (`.fixedSeed(...)` on the test).
 @Suite(.serialized) struct ModelTests {
-  static let cases = Int(ProcessInfo.processInfo.environment["UBIQ_MODEL_CASES"] ?? "") ?? 1500
+  static func budget() -> RandomBudget {
+    RandomBudget(cases: "UBIQ_MODEL_CASES", default: 1500, seconds: "UBIQ_MODEL_SECONDS", default: 150)
+  }
 
   static let stepGenerator = zip(
     Gen.int(in: 0...(ModelStep.drawnKinds.count - 1)), Gen.int(in: 0...8), Gen.int(in: 0...8), Gen.int(in: 0...9999)
@@ -588,11 +591,13 @@ final class ModelRun {
   }
 
   @Test func coreMatchesTheReferenceModel() async {
-    print("model test: \(Self.cases) random sequences of up to 60 steps (UBIQ_MODEL_CASES)")
-    await propertyCheck(count: Self.cases, input: Self.stepGenerator.array(of: 1...60)) { steps in
+    let budget = Self.budget()
+    print("model test: up to \(budget.cases) random sequences of up to 60 steps in \(budget.seconds) s")
+    await propertyCheck(count: budget.cases, input: Self.stepGenerator.array(of: 1...60)) { steps in
+      guard budget.startSequence() else { return }
       // The core is synchronous and blocks on async work inside: run it on a thread of its own,
       // never on one of the few threads of Swift's cooperative pool.
-      await recordingThrownErrors {
+      await recordingThrownErrors(budget) {
         try await onOwnThread {
           let run = try ModelRun()
           for step in steps { try run.run(step) }
@@ -600,17 +605,20 @@ final class ModelRun {
         }
       }
     }
+    print("model test: \(budget.summary)")
     print("model stats: \(ModelRun.stats)")
   }
 }
 
-/// Runs a property's body and records what it throws as an issue. `propertyCheck` counts the
-/// issues a body records and drops an error it throws: without this, a failed `checkThat` or
-/// an unexpected error from the core would pass.
-func recordingThrownErrors(_ body: () async throws -> Void) async {
+/// Runs a property's body and records what it throws as an issue, and as a failure in `budget`
+/// (so that shrinking it runs past the time budget). `propertyCheck` counts the issues a body
+/// records and drops an error it throws: without this, a failed `checkThat` or an unexpected
+/// error from the core would pass.
+func recordingThrownErrors(_ budget: RandomBudget, _ body: () async throws -> Void) async {
   do {
     try await body()
   } catch {
+    budget.recordFailure()
     Issue.record(error)
   }
 }
@@ -633,6 +641,9 @@ private nonisolated func runHere(_ body: @Sendable () throws -> Void) async thro
 
 /// A task executor with one thread of its own (8 MiB stack), for synchronous code that blocks.
 final class OwnThreadExecutor: TaskExecutor, @unchecked Sendable {
+  /// Whether the calling thread is the thread of an `OwnThreadExecutor`.
+  static var isCurrent: Bool { Thread.current.threadDictionary[marker] as? Bool == true }
+  private static let marker = "ubiq.test.ownThread"
   private let condition = NSCondition()
   private var jobs: [UnownedJob] = []
   private var stopped = false
@@ -659,6 +670,7 @@ final class OwnThreadExecutor: TaskExecutor, @unchecked Sendable {
   }
 
   private func runJobs() {
+    Thread.current.threadDictionary[Self.marker] = true
     while true {
       condition.lock()
       while jobs.isEmpty && !stopped { condition.wait() }

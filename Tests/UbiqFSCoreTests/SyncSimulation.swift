@@ -728,11 +728,15 @@ final class SyncSimulation {
 }
 
 /// Random multi-device workloads over one cloud, with lost requests, lost replies and crashes,
-/// checked for convergence and lost writes after healing. UBIQ_SIM_CASES sets the number of
-/// sequences (CI's budget by default; scripts/soak.sh sets more). A failure prints the shrunk
-/// steps and the seed to replay (`.fixedSeed(...)`).
+/// checked for convergence and lost writes after healing. At most UBIQ_SIM_CASES sequences run,
+/// and none starts after UBIQ_SIM_SECONDS (CI's budget by default; scripts/soak.sh sets more
+/// cases and no time limit); the HTTP variant gets a tenth of the cases and a third of the time,
+/// the folder-heavy one a third of the cases and two thirds of the time. A failure prints the
+/// shrunk steps and the seed to replay (`.fixedSeed(...)`).
 @Suite(.serialized) struct SyncSimulationTests {
-  static let cases = Int(ProcessInfo.processInfo.environment["UBIQ_SIM_CASES"] ?? "") ?? 300
+  static func budget() -> RandomBudget {
+    RandomBudget(cases: "UBIQ_SIM_CASES", default: 300, seconds: "UBIQ_SIM_SECONDS", default: 90)
+  }
 
   /// Drawn numbers to path indexes: the top-level names come most often, so that the devices'
   /// operations meet on the same items.
@@ -1219,12 +1223,13 @@ final class SyncSimulation {
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(
-    _ what: String, count: Int, generator: Generator<SyncStep, some SendableSequenceType>, setup: [SyncStep] = [],
-    overHTTP: Bool = false
+    _ what: String, budget: RandomBudget, generator: Generator<SyncStep, some SendableSequenceType>,
+    setup: [SyncStep] = [], overHTTP: Bool = false
   ) async {
-    print("\(what): \(count) random sequences of up to 40 steps on 3 devices")
-    await propertyCheck(count: count, input: generator.array(of: 1...40)) { steps in
-      await recordingThrownErrors {
+    print("\(what): up to \(budget.cases) random sequences of up to 40 steps on 3 devices in \(budget.seconds) s")
+    await propertyCheck(count: budget.cases, input: generator.array(of: 1...40)) { steps in
+      guard budget.startSequence() else { return }
+      await recordingThrownErrors(budget) {
         try await onOwnThread {
           let sim = try SyncSimulation(devices: 3, overHTTP: overHTTP)
           for step in setup + steps { try sim.run(step) }
@@ -1232,18 +1237,19 @@ final class SyncSimulation {
         }
       }
     }
-    print("\(what) stats: \(SyncSimulation.stats)")
+    print("\(what): \(budget.summary); stats: \(SyncSimulation.stats)")
   }
 
   @Test func devicesConvergeWithNothingLost() async {
-    await Self.randomSequences("sync simulation (UBIQ_SIM_CASES)", count: Self.cases, generator: Self.stepGenerator)
+    await Self.randomSequences("sync simulation", budget: Self.budget(), generator: Self.stepGenerator)
   }
 
   /// The same random workloads with every device reaching the cloud over HTTP (the client, the
-  /// server's router and its error mapping), on a tenth of the budget: a server per sequence.
+  /// server's router and its error mapping): a server per sequence.
   @Test func devicesConvergeOverHTTPWithNothingLost() async {
     await Self.randomSequences(
-      "sync simulation over HTTP", count: max(10, Self.cases / 10), generator: Self.stepGenerator, overHTTP: true)
+      "sync simulation over HTTP", budget: Self.budget().share(cases: 0.1, seconds: 1.0 / 3, atLeast: 10),
+      generator: Self.stepGenerator, overHTTP: true)
   }
 
   /// The tree every folder-heavy sequence starts from, on all three devices: d/e/d, e/d/e,
@@ -1292,7 +1298,7 @@ final class SyncSimulation {
 
   @Test func foldersMovedIntoEachOtherConvergeWithNothingLost() async {
     await Self.randomSequences(
-      "folder simulation (a third of UBIQ_SIM_CASES)", count: max(1, Self.cases / 3),
+      "folder simulation", budget: Self.budget().share(cases: 1.0 / 3, seconds: 2.0 / 3, atLeast: 1),
       generator: Self.folderStepGenerator, setup: Self.folderSetup)
   }
 }

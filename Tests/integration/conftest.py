@@ -114,8 +114,8 @@ CLI_TIMEOUT = 90
 
 # Every folder a test mounted under; checked once more at the end of the session.
 _ROOTS: list[Path] = []
-# Every daemon pid seen; none may outlive its test.
-_DAEMON_PIDS: set[int] = set()
+# Every daemon seen, as (pid, start time); none may outlive its test.
+_DAEMONS: set[tuple[int, int]] = set()
 
 
 # ---------------------------------------------------------------------------- mount table / procs
@@ -167,6 +167,27 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot): with the pid, it names one process.
+    pids wrap (32768 by default) and other test runs on the machine start ubiqfs processes too,
+    so a pid alone may name another process by the time it is checked."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def process_ref(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a running process, or None."""
+    start = _start_time(pid)
+    return None if start is None else (pid, start)
+
+
+def _still_running(ref: tuple[int, int]) -> bool:
+    return _pid_alive(ref[0]) and _start_time(ref[0]) == ref[1]
+
+
 def _cmdline(pid: int) -> list[str]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -176,7 +197,8 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def daemons_for_state(state: Path) -> list[int]:
-    """Pids of ubiqfs daemons started with this --state-dir (exactly our own processes)."""
+    """Pids of ubiqfs daemons started with this --state-dir (exactly our own processes: every
+    daemon is started with one)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -196,9 +218,12 @@ def _is_ubiqfs_process(pid: int) -> bool:
     return bool(args) and "ubiqfs" in os.path.basename(args[0])
 
 
-def kill_daemon(pid: int, grace: float = 5.0) -> None:
-    """SIGTERM, then SIGKILL, one daemon by pid (only if it still is a ubiqfs process)."""
+def kill_daemon(pid: int, grace: float = 5.0, started: int | None = None) -> None:
+    """SIGTERM, then SIGKILL, one daemon by pid (only if it still is a ubiqfs process, and the
+    one that started at `started` when that is given)."""
     if not _pid_alive(pid) or not _is_ubiqfs_process(pid):
+        return
+    if started is not None and _start_time(pid) != started:
         return
     try:
         os.kill(pid, signal.SIGTERM)
@@ -305,11 +330,10 @@ class Ubiq:
         deadline = time.time() + 5
         while time.time() < deadline:
             rec = self.daemon_record()
-            if rec and _pid_alive(int(rec["pid"])):
-                _DAEMON_PIDS.add(int(rec["pid"]))
+            if rec and int(rec["pid"]) in daemons_for_state(self.state):
                 break
             time.sleep(0.02)
-        _DAEMON_PIDS.update(daemons_for_state(self.state))
+        _DAEMONS.update(r for r in map(process_ref, daemons_for_state(self.state)) if r)
 
     def unmount(self) -> None:
         self.run("unmount", self.mnt)
@@ -488,22 +512,16 @@ def _teardown_root(u: Ubiq) -> list[str]:
             pass
         if mp in ubiq_mounts():
             force_unmount(mp)
-    # Daemons: from every daemon.json in the state folder, and by command line.
-    pids = set(daemons_for_state(u.state))
-    accounts = u.state / "accounts"
-    if accounts.is_dir():
-        for rec in accounts.glob("*/*/daemon.json"):
-            try:
-                pids.add(int(json.loads(rec.read_text())["pid"]))
-            except (OSError, ValueError, KeyError):
-                pass
+    # Daemons of this state folder, by command line (every daemon.json names one of them; a pid
+    # from a daemon.json alone may be reused by now).
+    refs = {r for r in map(process_ref, daemons_for_state(u.state)) if r}
     deadline = time.time() + 10
-    while time.time() < deadline and any(_pid_alive(p) and _is_ubiqfs_process(p) for p in pids):
+    while time.time() < deadline and any(_still_running(r) for r in refs):
         time.sleep(0.05)
-    for pid in pids:
-        if _pid_alive(pid) and _is_ubiqfs_process(pid):
+    for pid, started in refs:
+        if _still_running((pid, started)):
             problems.append(f"daemon {pid} still running after unmount; killed")
-            kill_daemon(pid)
+            kill_daemon(pid, started=started)
     left = mounts_under(u.root)
     if left:
         problems.append(f"mounts left behind: {left}")
@@ -560,8 +578,8 @@ def _no_mounts_left_behind():
         for mp in mounts_under(root):
             problems.append(f"mount left behind: {mp}")
             force_unmount(mp)
-    for pid in sorted(_DAEMON_PIDS):
-        if _pid_alive(pid) and _is_ubiqfs_process(pid):
+    for pid, started in sorted(_DAEMONS):
+        if _still_running((pid, started)):
             problems.append(f"daemon left running: pid {pid}")
-            kill_daemon(pid)
+            kill_daemon(pid, started=started)
     assert not problems, "; ".join(problems)
