@@ -128,8 +128,7 @@ extension CloudEngine {
       guard let item = try await metadata.item(account: account, container: container.rawValue, itemID: p.itemID)
       else { continue }
       var moved = item
-      moved.contentDeviceID = item.contentAuthor == deviceID ? nil : item.contentAuthor
-      moved.deviceID = deviceID
+      moved.setWriter(deviceID, contentAuthor: item.contentAuthor)
       if p.kind == .duplicateName {
         moved.name = try await freeName(container, parentID: item.parentID ?? WellKnownItem.documents, item.name)
       } else {

@@ -119,6 +119,12 @@ public struct CloudItem: Codable, Equatable, Sendable {
   /// The device whose content this version carries.
   public var contentAuthor: String { contentDeviceID ?? deviceID }
 
+  /// Makes this a version written by `device` whose content `author` wrote.
+  public mutating func setWriter(_ device: String, contentAuthor author: String) {
+    deviceID = device
+    contentDeviceID = author == device ? nil : author
+  }
+
   public init(
     itemID: String, parentID: String?, name: String, kind: ItemKind, mode: UInt32, size: Int64,
     mtimeNs: Int64, symlinkTarget: String? = nil, xattrs: [String: Data] = [:], chunks: [ChunkRef] = [],

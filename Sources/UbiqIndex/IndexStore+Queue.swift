@@ -163,10 +163,9 @@ extension IndexStore {
 
   /// Makes every waiting entry due now (the cloud came back, or the user asked to sync).
   public func retryAllNow() throws {
+    let now = self.clock.nowNs()
     try pool.write { db in
-      try db.execute(
-        sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?",
-        arguments: [self.clock.nowNs(), self.clock.nowNs()])
+      try db.execute(sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?", arguments: [now, now])
     }
   }
 

@@ -278,12 +278,11 @@ extension IndexStore {
   /// commit parked the item under a temporary name; the row keeps its own parent and name, as
   /// a local change still to upload. `keepingContent`: the file is open for writing or was
   /// saved again while the merge was committed, so its cached bytes stay current; the merged
-  /// version's content becomes a conflict version, credited to `mergedContentAuthor` (the device
-  /// that wrote that content; nil: the merged record's writer), and the local content is
-  /// uploaded again on top.
+  /// version's content becomes a conflict version, credited to the device that wrote that
+  /// content (`contentAuthor`), and the local content is uploaded again on top.
   public func adoptMerged(
     _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false,
-    keepingContent: Bool = false, mergedContentAuthor: String? = nil
+    keepingContent: Bool = false
   ) throws -> RemoteApplyResult {
     try pool.write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
@@ -297,7 +296,7 @@ extension IndexStore {
         var conflicts = (merged.conflicts ?? []).filter { $0.chunks != localChunks }
         conflicts.append(
           ConflictVersion(
-            versionID: "v\(merged.etag)", deviceID: mergedContentAuthor ?? merged.deviceID, mtimeNs: merged.mtimeNs,
+            versionID: "v\(merged.etag)", deviceID: merged.contentAuthor, mtimeNs: merged.mtimeNs,
             size: merged.size,
             chunks: merged.chunks))
         adopted.conflicts = conflicts

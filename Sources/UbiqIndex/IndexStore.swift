@@ -671,13 +671,14 @@ public final class IndexStore: @unchecked Sendable {
   public func recordContentChange(
     _ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false, synced: Bool = false
   ) throws {
+    let now = self.clock.nowNs()
     try pool.write { db in
       try db.cached(
         """
         UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
           revision = revision + 1, lastUsedNs = ? WHERE id = ?
         """
-      ).execute(arguments: [size, mtimeNs, self.clock.nowNs(), ContentState.cached.rawValue, self.clock.nowNs(), inode])
+      ).execute(arguments: [size, mtimeNs, now, ContentState.cached.rawValue, now, inode])
       if db.changesCount > 0 {
         try self.enqueue(db, inode)
         if synced {

@@ -22,8 +22,7 @@ public enum ConflictMerge {
     out.chunks = newest.chunks
     out.size = newest.size
     out.mtimeNs = newest.mtimeNs
-    out.deviceID = deviceID
-    out.contentDeviceID = newest.deviceID == deviceID ? nil : newest.deviceID
+    out.setWriter(deviceID, contentAuthor: newest.deviceID)
     let rest = others.filter { $0.versionID != newest.versionID }
     out.conflicts = rest.isEmpty ? nil : rest
     return out
@@ -37,9 +36,8 @@ public enum ConflictMerge {
       return out
     }
     var out = server
-    out.deviceID = deviceID
     // The content stays the cloud's, and its author with it, unless the local side's is taken.
-    out.contentDeviceID = server.contentAuthor == deviceID ? nil : server.contentAuthor
+    out.setWriter(deviceID, contentAuthor: server.contentAuthor)
     let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
     if placeChanged {
       out.parentID = local.parentID

@@ -374,19 +374,14 @@ public final class UploadWorker: @unchecked Sendable {
     var item = local
     var ifMatch = row.etag
     var merged = false
-    // The cloud's record at the last conflict: the other side of the merge.
-    var otherSide: CloudItem? = nil
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
       let applied = try inodes.withInodeLock(inode) {
         // Opened for writing, or saved again, while the merge was committed: the cache file
         // holds bytes newer than the merge and must stay.
         let saved = try index.item(inode).map { $0.size != row.size || $0.mtimeNs != row.mtimeNs } ?? false
-        // The merged content is the other side's when the merge took theirs.
-        let author = otherSide.flatMap { $0.chunks == result.chunks ? $0.deviceID : nil }
         let applied = try index.adoptMerged(
-          inode, result, localChunks: chunks, keepingPlace: keepingPlace,
-          keepingContent: inodes.isBusy(inode) || saved, mergedContentAuthor: author)
+          inode, result, localChunks: chunks, keepingPlace: keepingPlace, keepingContent: inodes.isBusy(inode) || saved)
         if applied.outcome == .updated(contentChanged: true) { content.remoteVersionReplaced(inode) }
         return applied
       }
@@ -431,7 +426,6 @@ public final class UploadWorker: @unchecked Sendable {
         // writing, and what is written through it next would be lost: merge after it closes.
         if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }
         ifMatch = current.etag
-        otherSide = current
         merged = true
       }
     }
