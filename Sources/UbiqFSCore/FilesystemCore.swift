@@ -446,8 +446,13 @@ public final class FilesystemCore: @unchecked Sendable {
     _ = ftruncate(fd, 0)
     let file = OpenFile(inode: row.id!, fd: fd, writable: true)
     // Until its creator's first flush the file is that writer's: the upload waits for it, so
-    // the empty file between the create and the writes never leaves the device.
-    try? inodes.withInodeLock(row.id!) { try handleBeginsWriting(file) }
+    // the empty file between the create and the writes never leaves the device. The index is
+    // written once (the insert): the dirty mark waits for a first write.
+    inodes.withInodeLock(row.id!) {
+      content.createdForWriting(row.id!)
+      file.dirty = true
+      file.createdUnwritten = true
+    }
     let h = handles.add(file)
     file.epoch = inodes.opened(row.id!, handle: h, fd: fd, writable: true)
     return (attributes(for: row), OpenedFile(handle: h, keepCache: true))
@@ -548,7 +553,7 @@ public final class FilesystemCore: @unchecked Sendable {
   /// first write since its last flush leaves a durable mark in the index, so a crash before the
   /// flush is found at the next mount and the bytes are recorded and uploaded.
   func beginWrite(_ f: OpenFile) throws {
-    if f.dirty {
+    if f.dirty && !f.createdUnwritten {
       inodes.beginWrite(f.inode, handleWasClean: false)
       return
     }
@@ -556,9 +561,12 @@ public final class FilesystemCore: @unchecked Sendable {
   }
 
   /// `beginWrite` under the inode lock: a clean handle becomes dirty (`FileContent.writeBegins`),
-  /// a dirty one moves the generation.
+  /// the handle that created the file leaves its dirty mark, a dirty one moves the generation.
   func handleBeginsWriting(_ f: OpenFile) throws {
-    if f.dirty {
+    if f.createdUnwritten {
+      try content.createdFileWriteBegins(f.inode)
+      f.createdUnwritten = false
+    } else if f.dirty {
       inodes.beginWrite(f.inode, handleWasClean: false)
     } else {
       try content.writeBegins(f.inode)
@@ -570,6 +578,14 @@ public final class FilesystemCore: @unchecked Sendable {
   func persist(_ f: OpenFile) throws {
     let recorded = try f.withWritesQuiesced { () throws -> Bool in
       guard f.dirty else { return false }
+      if f.createdUnwritten {
+        inodes.withInodeLock(f.inode) {
+          content.createdFileFlushedUnwritten(f.inode)
+          f.dirty = false
+          f.createdUnwritten = false
+        }
+        return true  // the upload queued at the create may go now
+      }
       var st = Glibc.stat()
       if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
       // nil: the mtime was set explicitly after the last write; keep it.

@@ -11,8 +11,11 @@ final class OpenFile {
   let inode: Int64
   let fd: Int32
   let writable: Bool
-  /// Written since the last flush/fsync.
+  /// Written since the last flush/fsync (or, with `createdUnwritten`, created and not flushed).
   var dirty = false
+  /// The handle created the file and has written nothing yet: it holds the file as a writer,
+  /// with no dirty mark in the index and nothing to record at its flush.
+  var createdUnwritten = false
   /// Set while the content is still arriving from the cloud (read-only opens of evicted files).
   /// Set at open, never changed afterwards.
   var stream: ContentStream?

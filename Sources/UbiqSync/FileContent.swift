@@ -109,6 +109,27 @@ public struct FileContent: Sendable {
     inodes.beginWrite(inode, handleWasClean: true)
   }
 
+  /// (new) → dirty: a file created open for writing. The creating handle holds it as a writer
+  /// does (its upload waits for the handle's flush), but nothing is marked in the index: the
+  /// file is empty, and a crash before its first write loses nothing. Under the inode lock.
+  public func createdForWriting(_ inode: Int64) {
+    inodes.beginWrite(inode, handleWasClean: true)
+  }
+
+  /// dirty → dirty: the first write through the handle that created the file leaves the
+  /// durable dirty mark `writeBegins` leaves (the handle already counts as dirty). Under the
+  /// inode lock.
+  public func createdFileWriteBegins(_ inode: Int64) throws {
+    try index.markContentDirty(inode)
+    inodes.beginWrite(inode, handleWasClean: false)
+  }
+
+  /// dirty → cached: the handle that created the file is flushed with nothing written through
+  /// it: nothing to record, and the upload queued at the create goes ahead. Under the inode lock.
+  public func createdFileFlushedUnwritten(_ inode: Int64) {
+    inodes.noteFlushed(inode)
+  }
+
   /// dirty → dirty (queued): a handle's writes are recorded (flush, fsync, close): the cache
   /// file's size and the write time become a new revision in the upload queue. Under the inode
   /// lock. `clean`: no other handle holds unrecorded writes, so the dirty mark goes in the

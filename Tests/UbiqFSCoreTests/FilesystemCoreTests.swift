@@ -155,6 +155,34 @@ import UbiqSync
     }
   }
 
+  /// A file created open for writing costs the index one write (its insert) until something is
+  /// written: no dirty mark, nothing recorded at the close, and the empty file is uploaded. Its
+  /// first write leaves the dirty mark, so a crash after it still finds and uploads the bytes.
+  @Test func aCreatedFileIsMarkedDirtyOnlyByItsFirstWrite() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      let (empty, touched) = try w.core.create(parent: w.documents, name: "empty", mode: 0o644, caller: .current)
+      #expect(try w.index.dirtyContentItems().isEmpty, "the create marked the file dirty")
+      let revision = try w.index.item(empty.inode)!.revision
+      w.core.release(touched.handle)
+      #expect(try w.index.item(empty.inode)!.revision == revision, "a close with nothing written made a revision")
+      try w.drainUploads()
+      let row = try w.index.item(empty.inode)!
+      #expect(row.revision == row.syncedRevision)
+      #expect(try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }?.size == 0)
+
+      let (a, opened) = try w.core.create(parent: w.documents, name: "written", mode: 0o644, caller: .current)
+      _ = try Data("first\n".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+      #expect(try w.index.dirtyContentItems() == [a.inode], "the first write left no dirty mark")
+      try w.crashAndRestart()
+      try w.drainUploads()
+      #expect(try w.readFile("written") == Data("first\n".utf8))
+      let written = try w.index.item(a.inode)!
+      #expect(try runBlocking { try await w.cloud.item(w.container, itemID: written.itemID) }?.size == 6)
+      #expect(try w.index.dirtyContentItems().isEmpty)
+    }
+  }
+
   /// A power loss can keep the index commit of a close (any later synced commit makes it
   /// durable) and lose the cache file's bytes, which nobody fsync'ed: here the cache file is cut
   /// back to what such a loss leaves. After the restart the file shows what its cache file holds
