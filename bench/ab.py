@@ -18,8 +18,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import time
 from pathlib import Path
+
+from common import timed
+from group_metadata import create_empty
 
 
 def measure(binary: str, root: Path, files: int) -> dict[str, float]:
@@ -33,14 +35,8 @@ def measure(binary: str, root: Path, files: int) -> dict[str, float]:
     try:
         d = mnt / "d"
         d.mkdir()
-        t = time.perf_counter()
-        for i in range(files):
-            open(d / f"f{i}", "wb").close()
-        create = files / (time.perf_counter() - t)
-        t = time.perf_counter()
-        for i in range(files):
-            os.unlink(d / f"f{i}")
-        remove = files / (time.perf_counter() - t)
+        create = files / timed(lambda: create_empty(d, files))
+        remove = files / timed(lambda: [os.unlink(d / f"f{i}") for i in range(files)])
     finally:
         subprocess.run([binary, "unmount", str(mnt)], env=env, capture_output=True, timeout=120)
         shutil.rmtree(root, ignore_errors=True)

@@ -328,12 +328,13 @@ class Ubiq:
     def _note_daemon(self) -> None:
         # daemon.json is written right after the kernel shows the mount; give it a moment.
         deadline = time.time() + 5
-        while time.time() < deadline:
+        while True:
+            pids = daemons_for_state(self.state)
             rec = self.daemon_record()
-            if rec and int(rec["pid"]) in daemons_for_state(self.state):
+            if (rec and int(rec["pid"]) in pids) or time.time() >= deadline:
                 break
             time.sleep(0.02)
-        _DAEMONS.update(r for r in map(process_ref, daemons_for_state(self.state)) if r)
+        _DAEMONS.update(r for r in map(process_ref, pids) if r)
 
     def unmount(self) -> None:
         self.run("unmount", self.mnt)
