@@ -33,15 +33,17 @@ let package = Package(
     .target(
       name: "UbiqCloudAPI",
       dependencies: ["UbiqCore", .product(name: "Crypto", package: "swift-crypto")]),
+    // What every SQLite database of ubiqfs shares (migrations among processes).
+    .target(name: "UbiqSQLite", dependencies: [.product(name: "GRDB", package: "GRDB.swift")]),
     .target(
       name: "UbiqIndex",
-      dependencies: ["UbiqCore", .product(name: "GRDB", package: "GRDB.swift")]),
+      dependencies: ["UbiqCore", "UbiqSQLite", .product(name: "GRDB", package: "GRDB.swift")]),
     // The cloud's rules (CloudEngine) over its storage protocols, with the embedded storage
     // (SQLite metadata, blob folder): the default cloud of a mount and one backend of `serve`.
     .target(
       name: "UbiqCloud",
       dependencies: [
-        "UbiqCore", "UbiqCloudAPI", .product(name: "GRDB", package: "GRDB.swift"),
+        "UbiqCore", "UbiqCloudAPI", "UbiqSQLite", .product(name: "GRDB", package: "GRDB.swift"),
         .product(name: "Crypto", package: "swift-crypto"),
       ]),
     // Scale-out engines: PostgreSQL metadata, S3 chunks (SigV4).
@@ -87,7 +89,7 @@ let package = Package(
     // The key-value store's client: local mirror (kv.sqlite) and its sync.
     .target(
       name: "UbiqKV",
-      dependencies: ["UbiqCore", "UbiqCloudAPI", .product(name: "GRDB", package: "GRDB.swift")]),
+      dependencies: ["UbiqCore", "UbiqCloudAPI", "UbiqSQLite", .product(name: "GRDB", package: "GRDB.swift")]),
     .target(
       name: "UbiqSync",
       dependencies: [

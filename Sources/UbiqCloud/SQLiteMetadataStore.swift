@@ -2,6 +2,7 @@ import Foundation
 import GRDB
 import UbiqCloudAPI
 import UbiqCore
+import UbiqSQLite
 
 /// The embedded cloud's metadata: accounts and their tokens, containers, item records (JSON)
 /// with their change sequence, chunk bookkeeping, the key-value store. SQLite in WAL mode;
@@ -19,7 +20,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     // the WAL at each commit, so an acknowledged change survives a power loss. Set again on the
     // writer after the pool opens: entering WAL mode sets NORMAL there.
     config.prepareDatabase { db in try db.execute(sql: "PRAGMA synchronous = FULL") }
-    pool = try DatabasePool(path: path, configuration: config)
+    pool = try DatabasePool.openAmongProcesses(path: path, configuration: config)
     try pool.writeWithoutTransaction { db in try db.execute(sql: "PRAGMA synchronous = FULL") }
     var migrator = DatabaseMigrator()
     migrator.registerMigration("v1") { db in
@@ -104,7 +105,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
             WHERE i.account = accounts.name AND i.deleted = 0 AND i.itemID NOT IN (?, ?));
           """, arguments: [MetadataCost.perItem, WellKnownItem.root, WellKnownItem.documents])
     }
-    try migrator.migrate(pool)
+    try migrator.migrateAmongProcesses(pool)
   }
 
   /// Synchronous `ensureAccount`, for setting up the embedded engine outside async code.

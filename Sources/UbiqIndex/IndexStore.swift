@@ -1,6 +1,7 @@
 import Foundation
 import GRDB
 import UbiqCore
+import UbiqSQLite
 
 /// The client's SQLite index for one container on this device: every item's metadata (rowid =
 /// inode), user xattrs, the durable upload queue and small key/value facts (device id, change
@@ -38,8 +39,8 @@ public final class IndexStore: @unchecked Sendable {
     if readOnly {
       pool = try DatabaseQueue(path: path, configuration: config)
     } else {
-      pool = try DatabasePool(path: path, configuration: config)
-      try Self.migrator.migrate(pool)
+      pool = try DatabasePool.openAmongProcesses(path: path, configuration: config)
+      try Self.migrator.migrateAmongProcesses(pool)
     }
   }
 

@@ -2,6 +2,7 @@ import Foundation
 import GRDB
 import UbiqCloudAPI
 import UbiqCore
+import UbiqSQLite
 
 /// Why the key-value store changed (the reasons of NSUbiquitousKeyValueStore's
 /// didChangeExternallyNotification).
@@ -58,7 +59,7 @@ public final class KVMirror: @unchecked Sendable {
           CREATE TABLE notifications(seq INTEGER PRIMARY KEY AUTOINCREMENT, json TEXT NOT NULL);
           """)
     }
-    try m.migrate(db)
+    try m.migrateAmongProcesses(db)
   }
 
   // MARK: meta
