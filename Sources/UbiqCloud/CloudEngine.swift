@@ -130,11 +130,48 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   }
 
   public func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
+    let write = try checkedWrite(item, ifMatch: ifMatch, stored: try await storedChunkSizes(of: [item]))
+    return try await metadata.commit(
+      account: account, container: container.rawValue, item: write.item, ifMatch: ifMatch, chunks: write.chunks,
+      rule: write.rule)
+  }
+
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    guard puts.count <= ItemPut.maxPerBatch else {
+      throw CloudError.invalid("a batch holds at most \(ItemPut.maxPerBatch) item versions, not \(puts.count)")
+    }
+    let stored = try await storedChunkSizes(of: puts.map(\.item))
+    // The versions up to the first invalid one go to the store, which may refuse one earlier.
+    var writes: [ItemWrite] = []
+    var invalid: CloudError?
+    for put in puts {
+      do {
+        writes.append(try checkedWrite(put.item, ifMatch: put.ifMatch, stored: stored))
+      } catch let error as CloudError {
+        invalid = error
+        break
+      }
+    }
+    var results = try await metadata.commitAll(account: account, container: container.rawValue, writes: writes)
+    if results.refused == nil { results.refused = invalid }
+    return results
+  }
+
+  /// The stored sizes of the account's chunks that the file versions among `items` refer to.
+  func storedChunkSizes(of items: [CloudItem]) async throws -> [String: Int64] {
+    var hashes = Set<String>()
+    for item in items where item.kind == .file { hashes.formUnion(Self.referencedChunks(item)) }
+    if hashes.isEmpty { return [:] }
+    return try await metadata.chunkSizes(account: account, hashes: Array(hashes))
+  }
+
+  /// A version checked as a write of this account (identifiers, name, numbers; a file's chunks
+  /// all stored, `stored` giving their sizes, and adding up to its size), with its tree rule.
+  func checkedWrite(_ item: CloudItem, ifMatch: String?, stored sizes: [String: Int64]) throws -> ItemWrite {
     try validate(item)
     // Conflict versions reference chunks too: all must belong to this account.
     let referenced = Self.referencedChunks(item)
     if item.kind == .file {
-      let sizes = try await metadata.chunkSizes(account: account, hashes: Array(referenced))
       let missing = referenced.filter { sizes[$0] == nil }
       if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
       try Self.checkChunks(item.chunks, size: item.size, stored: sizes, of: "item \(item.itemID)")
@@ -144,9 +181,9 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     var record = item
     record.deleted = false
-    return try await metadata.commit(
-      account: account, container: container.rawValue, item: record, ifMatch: ifMatch,
-      chunks: referenced, rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer))
+    return ItemWrite(
+      item: record, ifMatch: ifMatch, chunks: referenced,
+      rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer))
   }
 
   /// A file version's chunk list: every length positive and equal to the stored chunk's size,

@@ -149,7 +149,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   static func containerExists(_ db: Database, _ account: String, _ container: String) throws -> Bool {
     try Bool.fetchOne(
-      db, sql: "SELECT 1 FROM containers WHERE account = ? AND container = ?", arguments: [account, container])
+      db.cached("SELECT 1 FROM containers WHERE account = ? AND container = ?"), arguments: [account, container])
       == true
   }
 
@@ -169,28 +169,69 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       guard try Self.containerExists(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
-      let current = try Self.storedRecord(db, account, container, item.itemID)
-      try CommitRule.check(current: current?.item, ifMatch: ifMatch, itemID: item.itemID)
-      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
-      if let rule {
-        var tree = try Self.treeSnapshot(db, account, container, item)
-        tree.addsLiveItem = delta > 0
-        tree.liveItems =
-          try Int64.fetchOne(
-            db, sql: "SELECT liveItems FROM containers WHERE account = ? AND container = ?",
-            arguments: [account, container]) ?? 0
-        try rule(tree)
-      }
-      try Self.useChunks(db, account, chunks, now: Clock.nowSeconds())
-      if delta != 0 {
-        try db.execute(
-          sql: "UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?",
-          arguments: [delta, account, container])
-      }
-      let stored = try Self.store(db, account, container, item)
-      try Self.chargeMetadata(db, account, MetadataCost.charge(before: current, after: stored))
-      return stored.item
+      var records: [String: CloudItem] = [:]
+      return try Self.commitOne(
+        db, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule),
+        records: &records)
     }
+  }
+
+  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults {
+    try await pool.write { db in
+      guard try Self.containerExists(db, account, container) else {
+        throw CloudError.notFound("container \(container)")
+      }
+      var committed: [CloudItem] = []
+      // The batch's items mostly share their ancestors: each is read and decoded once.
+      var records: [String: CloudItem] = [:]
+      for write in writes {
+        do {
+          // A write refused part way (the quota is checked after the record is stored) leaves
+          // nothing: its savepoint is rolled back.
+          var stored: CloudItem?
+          try db.inSavepoint {
+            stored = try Self.commitOne(db, account, container, write, records: &records)
+            return .commit
+          }
+          if let stored {
+            committed.append(stored)
+            records[stored.itemID] = stored
+          }
+        } catch let error as CloudError {
+          return ItemPutResults(committed: committed, refused: error)
+        }
+      }
+      return ItemPutResults(committed: committed, refused: nil)
+    }
+  }
+
+  /// One write of a commit, inside its transaction, in a container known to exist. `records`:
+  /// records of this transaction already read, by item id, and it adds those it reads.
+  static func commitOne(
+    _ db: Database, _ account: String, _ container: String, _ write: ItemWrite,
+    records: inout [String: CloudItem]
+  ) throws -> CloudItem {
+    let item = write.item
+    let current = try Self.storedRecord(db, account, container, item.itemID)
+    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, itemID: item.itemID)
+    let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
+    if let rule = write.rule {
+      var tree = try Self.treeSnapshot(db, account, container, item, records: &records)
+      tree.addsLiveItem = delta > 0
+      tree.liveItems =
+        try Int64.fetchOne(
+          db.cached("SELECT liveItems FROM containers WHERE account = ? AND container = ?"),
+          arguments: [account, container]) ?? 0
+      try rule(tree)
+    }
+    try Self.useChunks(db, account, write.chunks, now: Clock.nowSeconds())
+    if delta != 0 {
+      try db.cached("UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?")
+        .execute(arguments: [delta, account, container])
+    }
+    let stored = try Self.store(db, account, container, item)
+    try Self.chargeMetadata(db, account, MetadataCost.charge(before: current, after: stored))
+    return stored.item
   }
 
   /// Adds `charge` (what a commit changed in the cost of the records) to the account's
@@ -201,8 +242,8 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
     }
     if charge != 0 {
-      try db.execute(
-        sql: "UPDATE accounts SET metadataBytes = metadataBytes + ? WHERE name = ?", arguments: [charge, account])
+      try db.cached("UPDATE accounts SET metadataBytes = metadataBytes + ? WHERE name = ?")
+        .execute(arguments: [charge, account])
     }
   }
 
@@ -241,19 +282,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     -> StoredRecord?
   {
     try Data.fetchOne(
-      db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
+      db.cached("SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?"),
       arguments: [account, container, itemID]
     ).map { StoredRecord(item: try decoder.decode(CloudItem.self, from: $0), bytes: Int64($0.count)) }
   }
 
   /// The written item's `TreeSnapshot`, inside the commit's transaction.
-  static func treeSnapshot(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws
-    -> TreeSnapshot
-  {
+  static func treeSnapshot(
+    _ db: Database, _ account: String, _ container: String, _ item: CloudItem,
+    records: inout [String: CloudItem]
+  ) throws -> TreeSnapshot {
     if item.deleted {
       let child = try Data.fetchOne(
-        db,
-        sql: "SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND deleted = 0 LIMIT 1",
+        db.cached(
+          "SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND deleted = 0 LIMIT 1"),
         arguments: [account, container, item.itemID]
       ).map { try decoder.decode(CloudItem.self, from: $0) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
@@ -262,18 +304,19 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     var seen = Set<String>()
     var next = item.parentID
     while let id = next, ancestors.count < TreeSnapshot.maxDepth, seen.insert(id).inserted,
-      let parent = try record(db, account, container, id)
+      let parent = try records[id] ?? record(db, account, container, id)
     {
+      records[id] = parent
       ancestors.append(parent)
       if id == item.itemID { break }
       next = parent.parentID
     }
     let namesake = try Data.fetchOne(
-      db,
-      sql: """
+      db.cached(
+        """
         SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND name = ?
         AND deleted = 0 AND itemID <> ? LIMIT 1
-        """, arguments: [account, container, item.parentID, item.name, item.itemID]
+        """), arguments: [account, container, item.parentID, item.name, item.itemID]
     ).map { try decoder.decode(CloudItem.self, from: $0) }
     return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
@@ -283,25 +326,25 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   static func store(_ db: Database, _ account: String, _ container: String, _ item: CloudItem) throws
     -> StoredRecord
   {
-    try db.execute(
-      sql: "UPDATE containers SET lastSeq = lastSeq + 1 WHERE account = ? AND container = ?",
-      arguments: [account, container])
+    try db.cached("UPDATE containers SET lastSeq = lastSeq + 1 WHERE account = ? AND container = ?")
+      .execute(arguments: [account, container])
     let seq =
       try Int64.fetchOne(
-        db, sql: "SELECT lastSeq FROM containers WHERE account = ? AND container = ?",
+        db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
         arguments: [account, container]) ?? 0
     var record = item
     record.changeSeq = seq
     record.etag = String(seq)
     let encoded = try encoder.encode(record)
-    try db.execute(
-      sql: """
-        INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)
-        VALUES (?,?,?,?,?,?,?,?,?)
-        ON CONFLICT(account, container, itemID) DO UPDATE SET changeSeq = excluded.changeSeq,
-          etag = excluded.etag, deleted = excluded.deleted, record = excluded.record, parentID = excluded.parentID,
-          name = excluded.name
-        """,
+    try db.cached(
+      """
+      INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)
+      VALUES (?,?,?,?,?,?,?,?,?)
+      ON CONFLICT(account, container, itemID) DO UPDATE SET changeSeq = excluded.changeSeq,
+        etag = excluded.etag, deleted = excluded.deleted, record = excluded.record, parentID = excluded.parentID,
+        name = excluded.name
+      """
+    ).execute(
       arguments: [
         account, container, record.itemID, seq, record.etag, record.deleted, encoded, record.parentID, record.name,
       ])
@@ -458,7 +501,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   static func usageRow(_ db: Database, _ account: String) throws -> Usage {
     guard
       let row = try Row.fetchOne(
-        db, sql: "SELECT usedBytes, quotaBytes, metadataBytes FROM accounts WHERE name = ?", arguments: [account])
+        db.cached("SELECT usedBytes, quotaBytes, metadataBytes FROM accounts WHERE name = ?"), arguments: [account])
     else { throw CloudError.notFound("account \(account)") }
     let chunks: Int64 = row["usedBytes"]
     let metadata: Int64 = row["metadataBytes"]

@@ -30,6 +30,10 @@ public protocol MetadataStore: Sendable {
   func commit(
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem
+  /// Stores `writes` in order in one transaction, each as `commit` would. The first write
+  /// refused with a `CloudError` stops the batch: the writes before it are stored, it and the
+  /// ones after it are not, and its error is returned. Any other error throws, storing nothing.
+  func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults
   /// The records changed after `since`, in change order: at most `limit`, and past the first
   /// no more than `maxBytes` of stored record bytes (`ChangeBatch.page`).
   func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
@@ -178,6 +182,20 @@ public struct TreeSnapshot: Sendable {
   }
   /// The deepest ancestry an engine reads; deeper trees are refused as cycles.
   public static let maxDepth = 4096
+}
+
+/// One write of `MetadataStore.commitAll`: the arguments of one `commit`.
+public struct ItemWrite: Sendable {
+  public var item: CloudItem
+  public var ifMatch: String?
+  public var chunks: Set<String>
+  public var rule: TreeRule?
+  public init(item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?) {
+    self.item = item
+    self.ifMatch = ifMatch
+    self.chunks = chunks
+    self.rule = rule
+  }
 }
 
 /// A check of a commit against the tree, run by the engine inside the commit's transaction.

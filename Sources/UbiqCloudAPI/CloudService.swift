@@ -56,6 +56,11 @@ public protocol CloudService: Sendable {
   /// Writes an item version. `ifMatch` is the etag the change is based on (nil for a new item).
   /// Throws `CloudError.conflict` with the server's record on a stale etag.
   func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem
+  /// Writes item versions in order, each as `putItem` would (If-Match its own etag), in one
+  /// transaction: the first one refused stops the batch. The versions before it are stored, and
+  /// take consecutive change sequence numbers; it and the ones after it are not. Throws (with
+  /// nothing stored) only for a failure of the whole request. At most `ItemPut.maxPerBatch`.
+  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults
   /// Deletes an item (leaves a tombstone in the change feed).
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
@@ -67,6 +72,54 @@ public protocol CloudService: Sendable {
   /// Waits until the container's change feed moves past `since` (true) or `timeoutMs` passes
   /// (false). The push channel: over HTTP a long-poll, in-process a cheap local check.
   func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool
+}
+
+/// One item version of a batch (`CloudService.putItems`).
+public struct ItemPut: Codable, Sendable {
+  public var item: CloudItem
+  /// The etag the version is based on (nil for a new item).
+  public var ifMatch: String?
+  public init(item: CloudItem, ifMatch: String?) {
+    self.item = item
+    self.ifMatch = ifMatch
+  }
+  /// The most versions one batch may hold.
+  public static let maxPerBatch = 1000
+}
+
+/// What a batch of item versions did: the stored records of the versions before the first one
+/// refused, in order, and why that one was refused (nil: every version was stored).
+public struct ItemPutResults: Sendable {
+  public var committed: [CloudItem]
+  public var refused: CloudError?
+  public init(committed: [CloudItem], refused: CloudError?) {
+    self.committed = committed
+    self.refused = refused
+  }
+}
+
+extension CloudService {
+  /// A cloud with no batch of its own commits one version after another.
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    try await putItemsOneByOne(container, puts)
+  }
+
+  /// One `putItem` after another: not one transaction, so a failure of a request after the
+  /// first version leaves the ones before it stored, and is reported as the next one's refusal.
+  public func putItemsOneByOne(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    var committed: [CloudItem] = []
+    for put in puts {
+      do {
+        committed.append(try await putItem(container, put.item, ifMatch: put.ifMatch))
+      } catch let error as CloudError {
+        return ItemPutResults(committed: committed, refused: error)
+      } catch {
+        if committed.isEmpty { throw error }
+        return ItemPutResults(committed: committed, refused: .unavailable("\(error)"))
+      }
+    }
+    return ItemPutResults(committed: committed, refused: nil)
+  }
 }
 
 /// Failures specific to the cloud protocol.

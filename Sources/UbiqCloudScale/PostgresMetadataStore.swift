@@ -339,39 +339,73 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem {
     try await transaction { conn in
-      // The container row lock serializes commits per container: sequence numbers are handed
-      // out and committed in order, so a change feed reader never skips one.
-      guard
+      try await lockContainer(conn, account, container)
+      return try await commitOne(
+        conn, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule))
+    }
+  }
+
+  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults {
+    try await transaction { conn in
+      try await lockContainer(conn, account, container)
+      var committed: [CloudItem] = []
+      for write in writes {
+        // A write refused part way (the quota is checked after the record is stored) leaves
+        // nothing: its savepoint is rolled back.
+        try await conn.query("SAVEPOINT item_write", logger: log)
+        do {
+          committed.append(try await commitOne(conn, account, container, write))
+          try await conn.query("RELEASE SAVEPOINT item_write", logger: log)
+        } catch let error as CloudError {
+          try await conn.query("ROLLBACK TO SAVEPOINT item_write", logger: log)
+          return ItemPutResults(committed: committed, refused: error)
+        }
+      }
+      return ItemPutResults(committed: committed, refused: nil)
+    }
+  }
+
+  /// Locks the container's row for the transaction; `notFound` if there is no such container.
+  /// The lock serializes commits per container: sequence numbers are handed out and committed
+  /// in order, so a change feed reader never skips one.
+  func lockContainer(_ conn: PostgresConnection, _ account: String, _ container: String) async throws {
+    guard
+      try await Self.first(
+        try await conn.query(
+          "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container) FOR UPDATE",
+          logger: log), Int64.self) != nil
+    else { throw CloudError.notFound("container \(container)") }
+  }
+
+  /// One write of a commit, inside its transaction, with the container's row locked.
+  func commitOne(_ conn: PostgresConnection, _ account: String, _ container: String, _ write: ItemWrite)
+    async throws -> CloudItem
+  {
+    let item = write.item
+    let current = try await storedRecord(conn, account, container, item.itemID)
+    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, itemID: item.itemID)
+    let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
+    if let rule = write.rule {
+      var tree = try await self.treeSnapshot(conn, account, container, item)
+      tree.addsLiveItem = delta > 0
+      tree.liveItems =
         try await Self.first(
           try await conn.query(
-            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container) FOR UPDATE",
-            logger: log), Int64.self) != nil
-      else { throw CloudError.notFound("container \(container)") }
-      let current = try await storedRecord(conn, account, container, item.itemID)
-      try CommitRule.check(current: current?.item, ifMatch: ifMatch, itemID: item.itemID)
-      let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
-      if let rule {
-        var tree = try await self.treeSnapshot(conn, account, container, item)
-        tree.addsLiveItem = delta > 0
-        tree.liveItems =
-          try await Self.first(
-            try await conn.query(
-              "SELECT live_items FROM containers WHERE account = \(account) AND container = \(container)",
-              logger: log), Int64.self) ?? 0
-        try rule(tree)
-      }
-      try await self.useChunks(conn, account, chunks, now: Clock.nowSeconds())
-      if delta != 0 {
-        try await conn.query(
-          """
-          UPDATE containers SET live_items = live_items + \(delta) WHERE account = \(account)
-          AND container = \(container)
-          """, logger: log)
-      }
-      let stored = try await self.store(conn, account, container, item)
-      try await self.chargeMetadata(conn, account, MetadataCost.charge(before: current, after: stored))
-      return stored.item
+            "SELECT live_items FROM containers WHERE account = \(account) AND container = \(container)",
+            logger: log), Int64.self) ?? 0
+      try rule(tree)
     }
+    try await self.useChunks(conn, account, write.chunks, now: Clock.nowSeconds())
+    if delta != 0 {
+      try await conn.query(
+        """
+        UPDATE containers SET live_items = live_items + \(delta) WHERE account = \(account)
+        AND container = \(container)
+        """, logger: log)
+    }
+    let stored = try await self.store(conn, account, container, item)
+    try await self.chargeMetadata(conn, account, MetadataCost.charge(before: current, after: stored))
+    return stored.item
   }
 
   /// Adds `charge` (what a commit changed in the cost of the records) to the account's

@@ -59,6 +59,45 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     return try api.json(CloudItem.self, r.body)
   }
 
+  struct PutItemsRequest: Encodable { var puts: [ItemPut] }
+  struct PutItemsResponse: Decodable {
+    var committed: [CloudItem]
+    var refused: Refused?
+  }
+  /// A refused version: an error body with the status a single PUT would have answered.
+  struct Refused: Codable {
+    var status: Int
+    var error: String
+    var code: String
+    var current: CloudItem?
+    var missing: [String]?
+    var usage: Usage?
+  }
+
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    let r: (status: Int, headers: HTTPHeaders, body: Data)
+    do {
+      r = try await api.send(
+        .POST, containerPath(container) + "/items", body: try api.encode(PutItemsRequest(puts: puts)))
+    } catch CloudError.notFound {
+      // A server without batches (or without the container, which each single PUT then says).
+      return try await putItemsOneByOne(container, puts)
+    }
+    let answer = try api.json(PutItemsResponse.self, r.body)
+    guard answer.committed.count <= puts.count, answer.refused != nil || answer.committed.count == puts.count else {
+      throw CloudError.unavailable(
+        "the server answered \(answer.committed.count) stored versions to a batch of \(puts.count)")
+    }
+    var refused: CloudError?
+    if let body = answer.refused {
+      switch APIClient.error(status: body.status, body: try api.encode(body)) {
+      case let error as CloudError: refused = error
+      case let error: refused = .unavailable("\(error)")
+      }
+    }
+    return ItemPutResults(committed: answer.committed, refused: refused)
+  }
+
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {

@@ -8,6 +8,44 @@ public struct UploadSnapshot: Sendable {
   public var row: ItemRow
   public var parentItemID: String?
   public var xattrs: [String: Data]
+  /// Bytes of the item's content were recorded without an fsync of its cache file.
+  public var contentUnsynced = false
+}
+
+/// Which cloud item a local item is, at which local revision.
+public struct ItemIdentity: Sendable, Equatable {
+  public var itemID: String
+  public var revision: Int64
+  public init(itemID: String, revision: Int64) {
+    self.itemID = itemID
+    self.revision = revision
+  }
+}
+
+/// A version the cloud stored for a queue entry (`IndexStore.markUploaded`): the entry, the
+/// item and the revision the version was made from, and the cloud's record of it.
+public struct UploadRecord: Sendable {
+  public var seq: Int64
+  public var inode: Int64
+  public var itemID: String
+  public var revision: Int64
+  public var result: CloudItem
+  /// The row already took `result` (a merge, `adoptMerged`).
+  public var adopted = false
+  /// `result` is the cloud's content under the item's new place.
+  public var placeOnly = false
+  public init(
+    seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false,
+    placeOnly: Bool = false
+  ) {
+    self.seq = seq
+    self.inode = inode
+    self.itemID = itemID
+    self.revision = revision
+    self.result = result
+    self.adopted = adopted
+    self.placeOnly = placeOnly
+  }
 }
 
 extension IndexStore {
@@ -24,20 +62,48 @@ extension IndexStore {
     try pool.read { db in try Int64.fetchOne(db.cached("SELECT min(nextAttemptNs) FROM uploadQueue")) }
   }
 
-  public func uploadSnapshot(_ inode: Int64) throws -> UploadSnapshot? {
+  /// The cloud identifier and local revision of each of `inodes` that exists, read at one
+  /// moment: enough to tell whether snapshots taken earlier are still the items' state.
+  public func identities(_ inodes: [Int64]) throws -> [Int64: ItemIdentity] {
     try pool.read { db in
-      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
-        return nil
+      var found: [Int64: ItemIdentity] = [:]
+      for inode in inodes {
+        if let row = try Row.fetchOne(db.cached("SELECT itemID, revision FROM items WHERE id = ?"), arguments: [inode])
+        {
+          found[inode] = ItemIdentity(itemID: row["itemID"], revision: row["revision"])
+        }
       }
-      let parentID = try row.parent.flatMap {
-        try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [$0])
-      }
-      var x: [String: Data] = [:]
-      for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
-        x[r["name"]] = r["value"]
-      }
-      return UploadSnapshot(row: row, parentItemID: parentID, xattrs: x)
+      return found
     }
+  }
+
+  public func uploadSnapshot(_ inode: Int64) throws -> UploadSnapshot? {
+    try pool.read { db in try Self.uploadSnapshot(db, inode) }
+  }
+
+  /// The upload snapshots of those of `inodes` that exist, all read at one moment.
+  public func uploadSnapshots(_ inodes: [Int64]) throws -> [Int64: UploadSnapshot] {
+    try pool.read { db in
+      var found: [Int64: UploadSnapshot] = [:]
+      for inode in inodes { found[inode] = try Self.uploadSnapshot(db, inode) }
+      return found
+    }
+  }
+
+  static func uploadSnapshot(_ db: Database, _ inode: Int64) throws -> UploadSnapshot? {
+    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
+      return nil
+    }
+    let parentID = try row.parent.flatMap {
+      try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [$0])
+    }
+    var x: [String: Data] = [:]
+    for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
+      x[r["name"]] = r["value"]
+    }
+    let unsynced =
+      try Bool.fetchOne(db.cached("SELECT 1 FROM unsyncedContent WHERE item = ?"), arguments: [inode]) ?? false
+    return UploadSnapshot(row: row, parentItemID: parentID, xattrs: x, contentUnsynced: unsynced)
   }
 
   /// Records a successful upload of `revision` of `itemID` from inode `inode`. If the item changed
@@ -51,55 +117,77 @@ extension IndexStore {
     seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false,
     placeOnly: Bool = false
   ) throws {
-    let manifest = ItemRow.json(result.chunks)
     try pool.write { db in
-      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
-        row.itemID == itemID
-      else {
-        try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
-        if let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [itemID]) {
-          // Replaced while uploading by a file renamed over it, which took over its identity (an
-          // atomic save): the version just created is the cloud's current one, and the heir's
-          // own change goes on top of it.
-          // The version's conflict versions (a merge's) stay with the heir.
-          if (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
-            try db.execute(
-              sql: "UPDATE items SET etag = ?, base = ?, chunks = ?, conflicts = ? WHERE id = ?",
-              arguments: [
-                result.etag, ItemRow.json(result), heir.content == .cached && !placeOnly ? manifest : heir.chunks,
-                ItemRow.combinedConflicts(heir.conflictList, result.conflicts ?? []), heir.id,
-              ])
-          }
-          return
+      try self.recordUpload(
+        db,
+        UploadRecord(
+          seq: seq, inode: inode, itemID: itemID, revision: revision, result: result, adopted: adopted,
+          placeOnly: placeOnly))
+    }
+  }
+
+  /// Records the uploads of a batch committed in the cloud, each as `markUploaded`, in one
+  /// transaction.
+  public func markUploaded(_ uploads: [UploadRecord]) throws {
+    if uploads.isEmpty { return }
+    try pool.write { db in
+      for upload in uploads { try self.recordUpload(db, upload) }
+    }
+  }
+
+  /// `markUploaded` inside a transaction.
+  func recordUpload(_ db: Database, _ upload: UploadRecord) throws {
+    let (seq, inode, itemID, revision, result) = (
+      upload.seq, upload.inode, upload.itemID, upload.revision, upload.result
+    )
+    let (adopted, placeOnly) = (upload.adopted, upload.placeOnly)
+    let manifest = ItemRow.json(result.chunks)
+    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+      row.itemID == itemID
+    else {
+      try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+      if let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [itemID]) {
+        // Replaced while uploading by a file renamed over it, which took over its identity (an
+        // atomic save): the version just created is the cloud's current one, and the heir's
+        // own change goes on top of it.
+        // The version's conflict versions (a merge's) stay with the heir.
+        if (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
+          try db.execute(
+            sql: "UPDATE items SET etag = ?, base = ?, chunks = ?, conflicts = ? WHERE id = ?",
+            arguments: [
+              result.etag, ItemRow.json(result), heir.content == .cached && !placeOnly ? manifest : heir.chunks,
+              ItemRow.combinedConflicts(heir.conflictList, result.conflicts ?? []), heir.id,
+            ])
         }
-        // Deleted while uploading: the version just created must go too, keeping the versions
-        // of other devices it may carry (a merge's).
-        try self.enqueueDelete(
-          db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty)
         return
       }
-      if placeOnly {
-        try db.execute(
-          sql: "UPDATE items SET etag = ?, base = ? WHERE id = ?",
-          arguments: [result.etag, ItemRow.json(result), inode])
-      } else if !adopted {
-        try db.execute(
-          sql: "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?",
-          arguments: [
-            result.etag, manifest, ItemRow.json(result),
-            result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
-            revision, inode,
-          ])
-      }
-      // Held records of the item that this version supersedes (a merge took them in).
-      try Self.releaseHeld(db, itemID: itemID, upTo: result.changeSeq)
-      if row.revision == revision && !placeOnly {
-        try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
-      } else {
-        try db.execute(
-          sql: "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL WHERE seq = ?",
-          arguments: [seq])
-      }
+      // Deleted while uploading: the version just created must go too, keeping the versions
+      // of other devices it may carry (a merge's).
+      try self.enqueueDelete(
+        db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty)
+      return
+    }
+    if placeOnly {
+      try db.execute(
+        sql: "UPDATE items SET etag = ?, base = ? WHERE id = ?",
+        arguments: [result.etag, ItemRow.json(result), inode])
+    } else if !adopted {
+      try db.cached(
+        "UPDATE items SET etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = ? WHERE id = ?"
+      ).execute(
+        arguments: [
+          result.etag, manifest, ItemRow.json(result),
+          result.conflicts.flatMap { $0.isEmpty ? nil : ItemRow.json($0) },
+          revision, inode,
+        ])
+    }
+    // Held records of the item that this version supersedes (a merge took them in).
+    try Self.releaseHeld(db, itemID: itemID, upTo: result.changeSeq)
+    if row.revision == revision && !placeOnly {
+      try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+    } else {
+      try db.cached("UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL WHERE seq = ?")
+        .execute(arguments: [seq])
     }
   }
 

@@ -479,7 +479,7 @@ extension IndexStore {
 
   /// Forgets the held record of `itemID` if it is not newer than `changeSeq` (nil: whatever it is).
   static func releaseHeld(_ db: Database, itemID: String, upTo changeSeq: Int64? = nil) throws {
-    try db.execute(
-      sql: "DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?", arguments: [itemID, changeSeq ?? Int64.max])
+    try db.cached("DELETE FROM heldRemote WHERE itemID = ? AND changeSeq <= ?")
+      .execute(arguments: [itemID, changeSeq ?? Int64.max])
   }
 }

@@ -35,12 +35,18 @@ public struct APIError: Error, Sendable {
     var missing: [String]?
     var usage: Usage?
     var errno: String?
+    /// The HTTP status, where the error is part of a 200 answer (a refused version of a batch).
+    var status: Int?
+  }
+
+  /// The fields of the error's JSON body; `status` for an error reported inside an answer.
+  func bodyFields(status: Int? = nil) -> Body {
+    Body(error: message, code: code, current: current, missing: missing, usage: usage, errno: errno, status: status)
   }
 
   /// The JSON body of the error response.
   func body() -> Data {
-    let body = Body(error: message, code: code, current: current, missing: missing, usage: usage, errno: errno)
-    return (try? HTTPHelpers.encoder.encode(body)) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
+    (try? HTTPHelpers.encoder.encode(bodyFields())) ?? Data("{\"error\":\"\",\"code\":\"\(code)\"}".utf8)
   }
 
   func response() -> Response {

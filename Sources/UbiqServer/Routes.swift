@@ -42,6 +42,7 @@ struct APIRoutes: Sendable {
     v1.put("containers/:container", use: ensureContainer)
     v1.get("containers/:container/items/:item", use: getItem)
     v1.put("containers/:container/items/:item", use: putItem)
+    v1.post("containers/:container/items", use: putItems)
     v1.delete("containers/:container/items/:item", use: deleteItem)
     v1.get("containers/:container/changes", use: changes)
     v1.get("containers/:container/changes/wait", use: waitForChanges)
@@ -179,6 +180,35 @@ struct APIRoutes: Sendable {
     metrics.commits.increment()
     await hub.notify(account: try context.requireIdentity().account, container: c.rawValue, seq: stored.changeSeq)
     return try H.response(stored, status: ifMatch == nil ? .created : .ok, headers: Self.etagHeader(stored))
+  }
+
+  /// The body of `POST .../items`: item versions, committed in order in one transaction.
+  struct PutItemsRequest: Decodable {
+    var puts: [ItemPut]
+  }
+
+  /// Its answer: the stored records of the versions before the first refused one, and that
+  /// refusal as an error body (with the status a single PUT would have had).
+  struct PutItemsResponse: Encodable {
+    var committed: [CloudItem]
+    var refused: APIError.Body?
+  }
+
+  @Sendable func putItems(_ request: Request, context: Ctx) async throws -> Response {
+    let c = try H.container(context)
+    let body = try H.json(PutItemsRequest.self, try await H.body(request, limit: limits.maxJSONBytes))
+    let results = try await engine(context).putItems(c, body.puts)
+    metrics.commits.increment(by: Int64(results.committed.count))
+    var refused: APIError.Body?
+    if let error = results.refused {
+      if case .conflict = error { metrics.conflicts.increment() }
+      let api = APIError.from(cloud: error)
+      refused = api.bodyFields(status: Int(api.status.code))
+    }
+    if let last = results.committed.last {
+      await hub.notify(account: try context.requireIdentity().account, container: c.rawValue, seq: last.changeSeq)
+    }
+    return try H.response(PutItemsResponse(committed: results.committed, refused: refused))
   }
 
   @Sendable func deleteItem(_ request: Request, context: Ctx) async throws -> Response {

@@ -55,7 +55,14 @@ public final class UploadWorker: @unchecked Sendable {
   public var parallelUploads = 6
 
   /// Progress of the uploads in flight (empty when idle), by path.
-  public var inFlight: [UploadProgress] { lock.withLock { sending.values.sorted { $0.path < $1.path } } }
+  public var inFlight: [UploadProgress] {
+    // Paths are looked up when asked for: most uploads end before anyone looks.
+    lock.withLock { Array(sending.values) }.map { progress in
+      var named = progress
+      named.path = (try? index.path(of: progress.inode)) ?? progress.path
+      return named
+    }.sorted { $0.path < $1.path }
+  }
 
   /// Whether an upload of `inode` is in flight now: its content read and sent, or its version
   /// committed.
@@ -118,10 +125,16 @@ public final class UploadWorker: @unchecked Sendable {
       }
       var didWork = false
       do {
-        let due = try index.dueQueue(now: self.index.clock.nowNs(), limit: 64)
+        let due = try index.dueQueue(now: self.index.clock.nowNs(), limit: Self.batchLimit)
         if !due.isEmpty {
           didWork = true
-          if await drain(due) { return }
+          let (stopped, processed) = await drain(due)
+          if stopped { return }
+          // A full page: more is due at once, read it without a pause.
+          if due.count == Self.batchLimit && processed == due.count {
+            idleSince = Clock.monotonicNs()
+            continue
+          }
         }
       } catch {
         log.error("upload queue: \(error)")
@@ -143,12 +156,17 @@ public final class UploadWorker: @unchecked Sendable {
     }
   }
 
-  /// Processes a batch of due entries: the content of up to `parallelUploads` uploads is
-  /// prepared concurrently, ahead of the commits, which happen in queue order. Returns true if
-  /// the worker was stopped meanwhile.
-  func drain(_ due: [QueueEntry]) async -> Bool {
+  /// Processes a page of due entries: the content of up to `parallelUploads` uploads is
+  /// prepared concurrently, ahead of the commits, which happen in queue order. Consecutive
+  /// prepared versions are committed together (`commitTogether`); a delete, a move waiting for
+  /// its content, or an entry whose preparation is still running sends the ones gathered
+  /// before it first. Returns whether the worker was stopped meanwhile, and how many entries
+  /// were processed.
+  func drain(_ due: [QueueEntry]) async -> (stopped: Bool, processed: Int) {
     var preparing: [Int: Task<PreparedUpload?, Error>] = [:]
+    let prepared = PreparedSet()
     var launched = 0
+    var gathered: [GatheredUpload] = []
     defer { for task in preparing.values { task.cancel() } }
     do {
       // A commit may reach the cloud and a power loss take its record from the index: what may
@@ -157,12 +175,20 @@ public final class UploadWorker: @unchecked Sendable {
     } catch {
       log.error("upload queue: cannot mark the batch as sent (\(error)); uploads pause")
       recorded(false)
-      return false
+      return (false, 0)
     }
+    // The page's snapshots in one read; an item missing here (or when the read fails) takes its
+    // own when its preparation starts.
+    let snapshots = (try? index.uploadSnapshots(due.compactMap(\.item))) ?? [:]
     for i in due.indices {
       while launched < due.count && launched < i + max(1, parallelUploads) {
         if let inode = due[launched].item {
-          preparing[launched] = Task { [self] in try await self.prepare(inode) }
+          let n = launched
+          let snapshot = snapshots[inode]
+          preparing[launched] = Task { [self] in
+            defer { prepared.insert(n) }
+            return try await self.prepare(inode, snapshot: snapshot)
+          }
         }
         launched += 1
       }
@@ -171,11 +197,115 @@ public final class UploadWorker: @unchecked Sendable {
           t.cancel()
           _ = try? await t.value
         }
-        return lock.withLock { stopped }
+        return (lock.withLock { stopped }, i)
       }
-      await process(due[i], prepared: preparing.removeValue(forKey: i))
+      let task = preparing.removeValue(forKey: i)
+      if let inode = due[i].item, let task {
+        // A big upload still being sent: what was gathered before it need not wait for it.
+        if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
+        if let ready = await gatherable(due[i], inode, task) {
+          gathered.append(ready)
+          if gathered.count >= Self.batchLimit { await commitTogether(&gathered) }
+          continue
+        }
+      }
+      await commitTogether(&gathered)
+      await process(due[i], prepared: task)
     }
-    return false
+    await commitTogether(&gathered)
+    return (false, due.count)
+  }
+
+  /// The most due entries read at once, and the most versions committed in one request.
+  static let batchLimit = 256
+
+  /// Indices of a page's entries whose preparation has finished. Sendable: guarded by `lock`.
+  final class PreparedSet: @unchecked Sendable {
+    private let lock = NSLock()
+    private var done = Set<Int>()
+    func insert(_ i: Int) { lock.withLock { _ = done.insert(i) } }
+    func contains(_ i: Int) -> Bool { lock.withLock { done.contains(i) } }
+    /// Whether entry `i`'s preparation has finished, or does within `upToNs`.
+    func waitFor(_ i: Int, upToNs: UInt64) async -> Bool {
+      var waited: UInt64 = 0
+      while !contains(i) {
+        if waited >= upToNs { return false }
+        try? await Task.sleep(nanoseconds: 1_000_000)
+        waited += 1_000_000
+      }
+      return true
+    }
+  }
+
+  /// A prepared version that can be committed with others: a plain new version of the item as
+  /// its snapshot was taken.
+  struct GatheredUpload {
+    var entry: QueueEntry
+    var inode: Int64
+    var prepared: PreparedUpload
+    var version: CloudItem
+  }
+
+  /// The entry's prepared version, if it can be committed in a batch; nil when it goes the one
+  /// way: its preparation failed or found nothing, or it is a move waiting for its content.
+  func gatherable(_ entry: QueueEntry, _ inode: Int64, _ task: Task<PreparedUpload?, Error>) async
+    -> GatheredUpload?
+  {
+    guard let p = try? await task.value, !p.placeOnly else { return nil }
+    return GatheredUpload(entry: entry, inode: inode, prepared: p, version: version(of: p))
+  }
+
+  /// Commits gathered versions in queue order, as many per request as the cloud stores: the
+  /// stored ones are recorded in one index transaction. A refused version goes the one way
+  /// (`process`: a merge on a conflict, a step aside from a taken name, a backoff), then the
+  /// ones after it are sent again. Empties `gathered`.
+  func commitTogether(_ gathered: inout [GatheredUpload]) async {
+    var pending = gathered[...]
+    gathered = []
+    while let first = pending.first {
+      // An item that changed since its snapshot goes the one way, which takes a fresh one.
+      let now = (try? index.identities(pending.map(\.inode))) ?? [:]
+      let unchanged = pending.prefix {
+        now[$0.inode]
+          == ItemIdentity(itemID: $0.prepared.snapshot.row.itemID, revision: $0.prepared.snapshot.row.revision)
+      }
+      if unchanged.count <= 1 {
+        await process(first.entry, prepared: Task { first.prepared })
+        pending = pending.dropFirst()
+        continue
+      }
+      let inodes = Set(unchanged.map(\.inode))
+      lock.withLock { committing.formUnion(inodes) }
+      defer { lock.withLock { committing.subtract(inodes) } }
+      let results: ItemPutResults
+      do {
+        results = try await cloud.putItems(
+          container, unchanged.map { ItemPut(item: $0.version, ifMatch: $0.prepared.snapshot.row.etag) })
+      } catch {
+        // Nothing is known to be stored: each entry failed as its own commit would have.
+        for upload in unchanged { failed(upload.entry, error) }
+        pending = pending.dropFirst(unchanged.count)
+        continue
+      }
+      let stored = zip(unchanged, results.committed).map { upload, result in
+        UploadRecord(
+          seq: upload.entry.seq, inode: upload.inode, itemID: upload.prepared.snapshot.row.itemID,
+          revision: upload.prepared.snapshot.row.revision, result: result)
+      }
+      do {
+        try index.markUploaded(stored)
+        recorded(true)
+      } catch {
+        log.error("upload queue: cannot record \(stored.count) uploads: \(error)")
+        recorded(false)
+        return
+      }
+      log.debug("uploaded \(stored.count) items together")
+      pending = pending.dropFirst(stored.count)
+      if results.refused != nil, let refused = pending.popFirst() {
+        await process(refused.entry, prepared: Task { refused.prepared })
+      }
+    }
   }
 
   func process(_ entry: QueueEntry, prepared: Task<PreparedUpload?, Error>?) async {
@@ -254,16 +384,21 @@ public final class UploadWorker: @unchecked Sendable {
     } catch let e as Postpone {
       recorded((try? index.postpone(seq: entry.seq, byNs: e.ns)) != nil)
     } catch {
-      let (message, code) = Self.describe(error)
-      log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
-      recorded((try? index.markFailed(seq: entry.seq, error: message, errno: code)) != nil)
-      switch error {
-      case CloudError.cycle, CloudError.badParent:
-        // The item's new place moved or went away in the cloud: the pull brings that here, and
-        // settles this change (a move that loses a crossed move is undone).
-        onNeedsPull()
-      default: break
-      }
+      failed(entry, error)
+    }
+  }
+
+  /// Records a failed attempt of an entry (retried with backoff).
+  func failed(_ entry: QueueEntry, _ error: Error) {
+    let (message, code) = Self.describe(error)
+    log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
+    recorded((try? index.markFailed(seq: entry.seq, error: message, errno: code)) != nil)
+    switch error {
+    case CloudError.cycle, CloudError.badParent:
+      // The item's new place moved or went away in the cloud: the pull brings that here, and
+      // settles this change (a move that loses a crossed move is undone).
+      onNeedsPull()
+    default: break
     }
   }
 
@@ -312,13 +447,12 @@ public final class UploadWorker: @unchecked Sendable {
 
   /// Takes a snapshot of an item and sends the chunks of its content the cloud lacks. Nil if
   /// the item is gone.
-  func prepare(_ inode: Int64) async throws -> PreparedUpload? {
-    guard let snap = try index.uploadSnapshot(inode) else { return nil }
+  func prepare(_ inode: Int64, snapshot: UploadSnapshot? = nil) async throws -> PreparedUpload? {
+    guard let snap = try snapshot ?? index.uploadSnapshot(inode) else { return nil }
     let row = snap.row
     var chunks: [ChunkRef] = []
     var size = row.size
-    let path = (try? index.path(of: inode)) ?? row.name
-    lock.withLock { sending[inode] = UploadProgress(inode: inode, path: path, sentBytes: 0, totalBytes: row.size) }
+    lock.withLock { sending[inode] = UploadProgress(inode: inode, path: row.name, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
     if row.kind == .file, row.content == .cached, inodes.dirtyHandleCount(inode) > 0, let base = row.baseItem,
       !base.deleted, base.parentID != snap.parentItemID || base.name != row.name
@@ -331,6 +465,9 @@ public final class UploadWorker: @unchecked Sendable {
       if row.content == .cached && cache.cachedContent(inode, size: row.size) == .emptyWithoutFile {
         chunks = []
         try content.bytesDurable(inode, upTo: row.revision)
+      } else if row.content == .cached && row.size == 0 && !snap.contentUnsynced && cacheFileIsEmpty(inode) {
+        // Created and never written, or emptied durably: no bytes to read, send or sync.
+        chunks = []
       } else if row.content == .cached {
         (chunks, size) = try await sendContent(inode)
         if size != row.size {
@@ -350,12 +487,10 @@ public final class UploadWorker: @unchecked Sendable {
     return PreparedUpload(snapshot: snap, chunks: chunks, size: size)
   }
 
-  /// Commits a prepared item version (If-Match its etag), merging on conflict.
-  func commit(_ entry: QueueEntry, _ inode: Int64, _ p: PreparedUpload) async throws {
+  /// The version a prepared upload commits.
+  func version(of p: PreparedUpload) -> CloudItem {
     let snap = p.snapshot
     let row = snap.row
-    let chunks = p.chunks
-    let size = p.size
     var local: CloudItem
     if p.placeOnly, let base = row.baseItem {
       // The cloud's version under the new place.
@@ -366,11 +501,28 @@ public final class UploadWorker: @unchecked Sendable {
       local.conflicts = base.conflicts
     } else {
       local = CloudItem(
-        itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode, size: size,
-        mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: chunks,
+        itemID: row.itemID, parentID: snap.parentItemID, name: row.name, kind: row.kind, mode: row.mode,
+        size: p.size, mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: p.chunks,
         deviceID: deviceID)
       local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
     }
+    return local
+  }
+
+  /// Whether the cache file of `inode` is empty, with no writer holding unflushed bytes.
+  func cacheFileIsEmpty(_ inode: Int64) -> Bool {
+    guard let token = inodes.beginSnapshot(inode) else { return false }
+    defer { inodes.endSnapshot(inode) }
+    var st = stat()
+    guard stat(cache.path(inode), &st) == 0, st.st_size == 0 else { return false }
+    return inodes.isSnapshotIntact(inode, token)
+  }
+
+  /// Commits a prepared item version (If-Match its etag), merging on conflict.
+  func commit(_ entry: QueueEntry, _ inode: Int64, _ p: PreparedUpload) async throws {
+    let row = p.snapshot.row
+    let chunks = p.chunks
+    let local = version(of: p)
     var item = local
     var ifMatch = row.etag
     var merged = false

@@ -131,9 +131,23 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   var committedNames: [String] { lock.withLock { namesSent } }
   private var namesSent: [String] = []
 
+  /// Requests that commit item versions (one version or a batch), sent so far.
+  var itemRequests: Int { lock.withLock { itemRequestsSent } }
+  private var itemRequestsSent = 0
+
   func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
-    lock.withLock { namesSent.append(item.name) }
+    lock.withLock {
+      namesSent.append(item.name)
+      itemRequestsSent += 1
+    }
     return try await write { try await inner.putItem(container, item, ifMatch: ifMatch) }
+  }
+  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    lock.withLock {
+      namesSent += puts.map(\.item.name)
+      itemRequestsSent += 1
+    }
+    return try await write { try await inner.putItems(container, puts) }
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
@@ -142,7 +156,13 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
-  func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
+  /// Runs before each chunk upload (as an upload is prepared): lets a test act between the
+  /// uploader's snapshots and its commits.
+  var beforeChunkUpload: (() throws -> Void)?
+  func putChunk(hash: String, data: Data) async throws {
+    try beforeChunkUpload?()
+    try await inner.putChunk(hash: hash, data: data)
+  }
   /// While set, every chunk download fails as if the cloud were unreachable.
   var chunkReadsFail: Bool {
     get { lock.withLock { chunkReadsFailing } }
@@ -1003,11 +1023,12 @@ final class SyncSimulation {
     try await Self.atomicSaveWhileTheFileItReplacesIsCommitted(temporaryFileQueuedFirst: true)
   }
 
-  /// v2 of f is being committed when the editor saves v3: a temporary file renamed over f.
+  /// v2 of f is being uploaded when the editor saves v3: a temporary file renamed over f.
   /// With `temporaryFileQueuedFirst`, the temporary file is written (and queued) before the
-  /// drain, so the uploader prepares it in the same batch as f; otherwise it is written while
-  /// v2's commit is sent. Either way v3 is current on both devices, with no conflict and no
-  /// temporary name left, in the cloud either.
+  /// drain, so the uploader takes its snapshot in the same page as f's, and the rename comes
+  /// as their content is sent; otherwise it is written and renamed while v2's commit is sent.
+  /// Either way v3 is current on both devices, with no conflict and no temporary name left, in
+  /// the cloud either.
   static func atomicSaveWhileTheFileItReplacesIsCommitted(temporaryFileQueuedFirst: Bool) async throws {
     try await onOwnThread {
       let (_, b, cloud) = try CoreWorld.pair()
@@ -1019,11 +1040,16 @@ final class SyncSimulation {
       let v3 = Data("v3 saved over f\n".utf8)
       if temporaryFileQueuedFirst { try a.writeFile("f.tmp", v3) }
       let saved = OutcomeBox()
-      hooked.beforeWrite = { _ in
+      let save = {
         guard saved.get() == nil else { return }
         saved.set("saved")
         if !temporaryFileQueuedFirst { try a.writeFile("f.tmp", v3) }
         try a.core.rename(parent: a.documents, name: "f.tmp", newParent: a.documents, newName: "f", flags: [])
+      }
+      if temporaryFileQueuedFirst {
+        hooked.beforeChunkUpload = save
+      } else {
+        hooked.beforeWrite = { _ in try save() }
       }
       try a.drainUploads()
       try a.pull()

@@ -126,6 +126,78 @@ def test_items_etags_if_match_and_conflicts(api):
     error(api.put("/v1/containers/iCloud.com.example.other/items/x", item("x", "x", b"")), 404, "not_found")
 
 
+def test_a_batch_of_versions_commits_in_order_and_stops_at_the_first_refused(api):
+    api.ensure_container(C)
+    v1 = put_file(api, "b0", "old.txt", b"v1").json()
+    put_file(api, "b0", "old.txt", b"v2", if_match=v1["etag"])
+    assert api.put(f"/v1/chunks/{sha(b'new')}", b"new").status in (200, 201)
+    puts = [
+        {"item": item("bf", "folder", kind=2), "ifMatch": None},
+        # A file in the folder the same batch creates.
+        {"item": item("b1", "in-folder.txt", b"new", parent="bf")},
+        # Based on a stale etag: refused, with the current record, as a PUT would be.
+        {"item": item("b0", "old.txt", b"new"), "ifMatch": v1["etag"]},
+        {"item": item("b2", "after.txt", b"new")},
+    ]
+    r = api.post(f"{CQ}/items", {"puts": puts})
+    assert r.status == 200, r
+    body = r.json()
+    assert [i["itemID"] for i in body["committed"]] == ["bf", "b1"]
+    seqs = [i["changeSeq"] for i in body["committed"]]
+    assert seqs[1] == seqs[0] + 1
+    refused = body["refused"]
+    assert (refused["status"], refused["code"]) == (409, "conflict"), refused
+    assert refused["current"]["chunks"][0]["hash"] == sha(b"v2") and refused["error"]
+    # Nothing after the refused version was stored, and the refused one is unchanged.
+    error(api.get(f"{CQ}/items/b2"), 404, "not_found")
+    assert api.get(f"{CQ}/items/b0").json()["chunks"][0]["hash"] == sha(b"v2")
+    feed = api.get(f"{CQ}/changes?since={seqs[0] - 1}").json()
+    assert [i["itemID"] for i in feed["items"]] == ["bf", "b1"]
+    # Every refusal a single PUT knows comes back with its status and code, after the versions
+    # before it: a taken name, a missing parent, a cycle, chunks never uploaded, a bad id.
+    folder_etag = body["committed"][0]["etag"]
+    assert api.put(f"{CQ}/items/bc", item("bc", "child", kind=2, parent="bf")).status == 201
+    cases = [
+        ({"item": item("b3", "folder", kind=2)}, 409, "name_taken"),
+        ({"item": item("b4", "x", kind=2, parent="nowhere")}, 409, "bad_parent"),
+        ({"item": item("bf", "folder", kind=2, parent="bc"), "ifMatch": folder_etag}, 409, "cycle"),
+        ({"item": item("b5", "x.bin", b"never uploaded")}, 422, "missing_chunks"),
+        ({"item": item("bad id", "x", kind=2)}, 400, "invalid_id"),
+        ({"item": item("b6", "a/b", kind=2)}, 400, "invalid"),
+    ]
+    for n, (put, status, code) in enumerate(cases):
+        ok = item(f"ok{n}", f"ok{n}", kind=2)
+        body = api.post(f"{CQ}/items", {"puts": [{"item": ok}, put]}).json()
+        assert [i["itemID"] for i in body["committed"]] == [f"ok{n}"], (code, body)
+        assert (body["refused"]["status"], body["refused"]["code"]) == (status, code), body
+    # A batch with nothing refused has no refusal.
+    body = api.post(f"{CQ}/items", {"puts": [{"item": item("b7", "b7", kind=2)}]}).json()
+    assert [i["itemID"] for i in body["committed"]] == ["b7"] and body.get("refused") is None
+    # A request that is wrong as a whole stores nothing.
+    error(api.post(f"{CQ}/items", b'{"puts": [1,'), 400, "bad_json")
+    error(api.post(f"{CQ}/items", {"versions": []}), 400, "bad_json")
+    many = [{"item": item(f"m{i}", f"m{i}", kind=2)} for i in range(1001)]
+    error(api.post(f"{CQ}/items", {"puts": many}), 400, "invalid")
+    error(api.get(f"{CQ}/items/m0"), 404, "not_found")
+    error(api.post("/v1/containers/iCloud.com.example.other/items", {"puts": puts[:1]}), 404, "not_found")
+
+
+def test_a_batch_refused_by_the_quota_stores_nothing_of_the_refused_version(new_account):
+    api = new_account(quota="2K")
+    api.ensure_container(C)
+    # Each live record costs 512 bytes plus its JSON: the third or fourth folder goes past 2K.
+    puts = [{"item": item(f"q{i}", f"q{i}", kind=2)} for i in range(6)]
+    body = api.post(f"{CQ}/items", {"puts": puts}).json()
+    stored = [i["itemID"] for i in body["committed"]]
+    assert 1 <= len(stored) < 6, body
+    assert (body["refused"]["status"], body["refused"]["code"]) == (507, "quota_exceeded"), body
+    usage = api.get("/v1/usage").json()
+    assert usage["metadataBytes"] <= 2 * 1024, usage
+    feed = api.get(f"{CQ}/changes?since=2").json()
+    assert [i["itemID"] for i in feed["items"]] == stored
+    error(api.get(f"{CQ}/items/q{len(stored)}"), 404, "not_found")
+
+
 def test_change_feed_pages_and_tokens(api):
     api.ensure_container(C)
     for i in range(7):

@@ -1,0 +1,46 @@
+import Foundation
+import Testing
+import UbiqCloud
+import UbiqCloudAPI
+import UbiqCore
+
+@testable import UbiqSync
+
+/// The upload worker commits consecutive prepared versions together (`UploadWorker.drain`).
+@Suite(.serialized) struct BatchedUploadTests {
+  /// A hundred new items reach the cloud in a few requests, not one each; a version the cloud
+  /// refuses in the middle of a batch (based on a stale etag) is merged on its own, and the
+  /// versions after it are still sent together.
+  @Test func manyItemsShareRequestsAndARefusedOneIsSettledAlone() async throws {
+    try await onOwnThread {
+      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
+      let counted = FlakyCloud(engine)
+      let a = try CoreWorld(cloud: counted)
+      let b = try CoreWorld(cloud: engine)
+      try a.writeFile("shared.txt", Data("base\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try b.writeFile("shared.txt", Data("from b\n".utf8))
+      try b.drainUploads()
+
+      let before = counted.itemRequests
+      let folder = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      for i in 0..<50 { try a.writeFile("d/f\(i)", Data()) }
+      try a.writeFile("shared.txt", Data("from a\n".utf8))
+      for i in 50..<100 { try a.writeFile("d/f\(i)", Data()) }
+      try a.drainUploads()
+      let requests = counted.itemRequests - before
+      // 102 versions: one by one they take 103 requests (the merge needs a second commit).
+      try checkThat(requests <= 10, "102 versions took \(requests) requests")
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "a's queue is empty")
+      _ = folder
+
+      try b.pull()
+      try a.pull()
+      for i in 0..<100 { try checkThat(try b.inode("d/f\(i)") != nil, "d/f\(i) reached b") }
+      try checkThat(try a.readFile("shared.txt") == b.readFile("shared.txt"), "a and b show one shared.txt")
+      let shared = try #require(try b.index.item(b.inode("shared.txt")!))
+      try checkThat(shared.conflictList.count == 1, "the losing edit is kept as a conflict version")
+    }
+  }
+}
