@@ -2,7 +2,7 @@
 """Checks the module layering of Package.swift (docs/architecture.md, "Modules"): the mount's
 modules never link a cloud engine, except the daemon through the embedded default; the daemon
 never links the server or the scale-out storage; the client contract depends on nothing but
-UbiqCore. Reads `swift package dump-package` (or a saved copy of its output given as argument);
+UbiqCore; the shared SQLite helpers depend on no module of ours. Reads `swift package dump-package` (or a saved copy of its output given as argument);
 prints every broken rule and exits 1 if there is one."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 
 # Target -> modules it must not reach, directly or through its dependencies.
 FORBIDDEN = {
+    "UbiqSQLite": {"UbiqCore", "UbiqCloudAPI", "UbiqIndex", "UbiqCloud", "UbiqCloudScale", "UbiqServer", "UbiqSync",
+                   "UbiqFSCore", "UbiqKV"},
     "UbiqCloudAPI": {"UbiqIndex", "UbiqCloud", "UbiqCloudScale", "UbiqServer", "UbiqSync", "UbiqFSCore"},
     "UbiqIndex": {"UbiqCloud", "UbiqCloudScale", "UbiqServer"},
     "UbiqSync": {"UbiqCloud", "UbiqCloudScale", "UbiqServer", "UbiqHTTPClient"},
