@@ -167,6 +167,7 @@ public final class UploadWorker: @unchecked Sendable {
     let prepared = PreparedSet()
     var launched = 0
     var gathered: [GatheredUpload] = []
+    var gatheredBytes = 0
     defer { for task in preparing.values { task.cancel() } }
     do {
       // A commit may reach the cloud and a power loss take its record from the index: what may
@@ -204,7 +205,12 @@ public final class UploadWorker: @unchecked Sendable {
         // A big upload still being sent: what was gathered before it need not wait for it.
         if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
         if let ready = await gatherable(due[i], inode, task) {
+          // A request stays well within the server's body limit (16 MiB): big chunk lists or
+          // extended attributes make smaller batches.
+          if !gathered.isEmpty, gatheredBytes + ready.bytes > batchBytes { await commitTogether(&gathered) }
+          if gathered.isEmpty { gatheredBytes = 0 }
           gathered.append(ready)
+          gatheredBytes += ready.bytes
           if gathered.count >= Self.batchLimit { await commitTogether(&gathered) }
           continue
         }
@@ -244,6 +250,22 @@ public final class UploadWorker: @unchecked Sendable {
     var inode: Int64
     var prepared: PreparedUpload
     var version: CloudItem
+    /// More than the version's JSON takes (`estimatedBytes`).
+    var bytes: Int
+  }
+
+  /// The most JSON bytes of versions one batch request carries (estimated, `estimatedBytes`).
+  public var batchBytes = 4 << 20
+
+  /// An upper bound of the bytes a version takes in JSON: a fixed part, the name and symlink
+  /// target, each chunk reference (hash, length, punctuation), and each extended attribute
+  /// (base64, a third more than its value), conflict versions included.
+  static func estimatedBytes(of item: CloudItem) -> Int {
+    var bytes = 1024 + 2 * (item.name.utf8.count + (item.symlinkTarget?.utf8.count ?? 0))
+    bytes += 128 * item.chunks.count
+    for (name, value) in item.xattrs { bytes += 64 + 2 * name.utf8.count + value.count * 4 / 3 + 4 }
+    for v in item.conflicts ?? [] { bytes += 512 + 128 * v.chunks.count }
+    return bytes
   }
 
   /// The entry's prepared version, if it can be committed in a batch; nil when it goes the one
@@ -252,7 +274,9 @@ public final class UploadWorker: @unchecked Sendable {
     -> GatheredUpload?
   {
     guard let p = try? await task.value, !p.placeOnly else { return nil }
-    return GatheredUpload(entry: entry, inode: inode, prepared: p, version: version(of: p))
+    let version = version(of: p)
+    return GatheredUpload(
+      entry: entry, inode: inode, prepared: p, version: version, bytes: Self.estimatedBytes(of: version))
   }
 
   /// Commits gathered versions in queue order, as many per request as the cloud stores: the

@@ -43,4 +43,31 @@ import UbiqCore
       try checkThat(shared.conflictList.count == 1, "the losing edit is kept as a conflict version")
     }
   }
+
+  /// A batch request stays within its byte budget: versions with big extended attributes go a
+  /// few per request, and every one arrives.
+  @Test func bigVersionsMakeSmallerBatches() async throws {
+    try await onOwnThread {
+      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
+      let counted = FlakyCloud(engine)
+      let a = try CoreWorld(cloud: counted)
+      let b = try CoreWorld(cloud: engine)
+      let value = Data(repeating: 0x61, count: 4096)
+      for i in 0..<30 {
+        let inode = try a.writeFile("x\(i)", Data())
+        try a.core.setxattr(inode, name: "user.big", value: value, flags: [])
+      }
+      // About 6.5 KB each by the estimate: three fit in 20 KB.
+      a.worker.batchBytes = 20_000
+      let before = counted.itemRequests
+      try a.drainUploads()
+      let requests = counted.itemRequests - before
+      try checkThat(requests >= 10 && requests <= 15, "30 versions of 6.5 KB took \(requests) requests")
+      try b.pull()
+      for i in 0..<30 {
+        let inode = try #require(try b.inode("x\(i)"))
+        try checkThat(try b.index.xattr(inode, "user.big") == value, "x\(i) arrived with its attribute")
+      }
+    }
+  }
 }
