@@ -8,9 +8,13 @@ import UbiqCore
 /// `CloudService` over the HTTP API of `ubiqfs serve` (docs/protocol.md), for one signed-in
 /// account. Every request is bounded (2 s connect, 30 s request, long-polls their timeout
 /// plus 15 s), so an unreachable server surfaces as `CloudError.unavailable`, never a hang.
-/// Sendable: immutable after init; requests share nothing but the thread-safe HTTP client.
+/// Sendable: `noBatches` is guarded by `lock`; otherwise immutable after init, and requests
+/// share nothing but the thread-safe HTTP client.
 public final class HTTPCloud: CloudService, @unchecked Sendable {
   public let api: APIClient
+  private let lock = NSLock()
+  /// The server answered 404 to a batch: it has no batch route, and versions go one by one.
+  private var noBatches = false
 
   public init(api: APIClient) { self.api = api }
 
@@ -75,16 +79,21 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
   }
 
   public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+    if lock.withLock({ noBatches }) { return try await putItemsOneByOne(container, puts) }
     let r: (status: Int, headers: HTTPHeaders, body: Data)
     do {
       r = try await api.send(
         .POST, containerPath(container) + "/items", body: try api.encode(PutItemsRequest(puts: puts)))
     } catch CloudError.notFound {
-      // A server without batches (or without the container, which each single PUT then says).
-      return try await putItemsOneByOne(container, puts)
+      // A server without batches, or without the container (which a single PUT then says).
+      let results = try await putItemsOneByOne(container, puts)
+      if !results.committed.isEmpty { lock.withLock { noBatches = true } }
+      return results
     }
     let answer = try api.json(PutItemsResponse.self, r.body)
-    guard answer.committed.count <= puts.count, answer.refused != nil || answer.committed.count == puts.count else {
+    guard
+      answer.refused == nil ? answer.committed.count == puts.count : answer.committed.count < puts.count
+    else {
       throw CloudError.unavailable(
         "the server answered \(answer.committed.count) stored versions to a batch of \(puts.count)")
     }

@@ -50,8 +50,8 @@ public final class UploadWorker: @unchecked Sendable {
   /// Items whose version is being committed.
   private var committing: Set<Int64> = []
   /// How many queue entries have their content prepared (chunked, missing chunks sent) at once.
-  /// Commits still happen one at a time in queue order, so a parent always reaches the cloud
-  /// before its children and a rename before a create that reuses the old name.
+  /// Commits still happen in queue order (in batches, `drain`), so a parent always reaches the
+  /// cloud before its children and a rename before a create that reuses the old name.
   public var parallelUploads = 6
 
   /// Progress of the uploads in flight (empty when idle), by path.
@@ -258,12 +258,13 @@ public final class UploadWorker: @unchecked Sendable {
   public var batchBytes = 4 << 20
 
   /// An upper bound of the bytes a version takes in JSON: a fixed part, the name and symlink
-  /// target, each chunk reference (hash, length, punctuation), and each extended attribute
-  /// (base64, a third more than its value), conflict versions included.
+  /// target (a control character is escaped in 6 bytes), each chunk reference (hash, length,
+  /// punctuation), and each extended attribute (base64, whose "/" JSONEncoder escapes: at most
+  /// 8 bytes for 3), conflict versions included.
   static func estimatedBytes(of item: CloudItem) -> Int {
-    var bytes = 1024 + 2 * (item.name.utf8.count + (item.symlinkTarget?.utf8.count ?? 0))
+    var bytes = 1024 + 6 * (item.name.utf8.count + (item.symlinkTarget?.utf8.count ?? 0))
     bytes += 128 * item.chunks.count
-    for (name, value) in item.xattrs { bytes += 64 + 2 * name.utf8.count + value.count * 4 / 3 + 4 }
+    for (name, value) in item.xattrs { bytes += 64 + 6 * name.utf8.count + (value.count + 2) / 3 * 8 }
     for v in item.conflicts ?? [] { bytes += 512 + 128 * v.chunks.count }
     return bytes
   }
@@ -286,13 +287,18 @@ public final class UploadWorker: @unchecked Sendable {
   func commitTogether(_ gathered: inout [GatheredUpload]) async {
     var pending = gathered[...]
     gathered = []
+    // After a refusal the next requests start small and double: when refusals follow one
+    // another (a lost reply made every etag stale, a parent that failed, the quota), each
+    // entry costs a request or two, never a resend of all the ones after it.
+    var size = Self.batchLimit
     while let first = pending.first {
       // An item that changed since its snapshot goes the one way, which takes a fresh one.
       let now = (try? index.identities(pending.map(\.inode))) ?? [:]
-      let unchanged = pending.prefix {
+      let unchanged = pending.prefix(size).prefix {
         now[$0.inode]
           == ItemIdentity(itemID: $0.prepared.snapshot.row.itemID, revision: $0.prepared.snapshot.row.revision)
       }
+      size = min(Self.batchLimit, size * 2)
       if unchanged.count <= 1 {
         await process(first.entry, prepared: Task { first.prepared })
         pending = pending.dropFirst()
@@ -305,6 +311,11 @@ public final class UploadWorker: @unchecked Sendable {
       do {
         results = try await cloud.putItems(
           container, unchanged.map { ItemPut(item: $0.version, ifMatch: $0.prepared.snapshot.row.etag) })
+      } catch CloudError.invalid {
+        // The request as a whole was refused (its body, its size): one by one, each entry gets
+        // its own answer, and one that cannot be sent holds back no other.
+        size = 1
+        continue
       } catch {
         // Nothing is known to be stored: each entry failed as its own commit would have.
         for upload in unchanged { failed(upload.entry, error) }
@@ -327,6 +338,7 @@ public final class UploadWorker: @unchecked Sendable {
       log.debug("uploaded \(stored.count) items together")
       pending = pending.dropFirst(stored.count)
       if results.refused != nil, let refused = pending.popFirst() {
+        size = 1
         await process(refused.entry, prepared: Task { refused.prepared })
       }
     }

@@ -114,12 +114,27 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   var beforeWrite: ((Int) throws -> Void)?
   private var writesSent = 0
 
+  /// How many of the next writes reach the cloud and lose their reply, before any drawn fate.
+  var repliesToLose: Int {
+    get { lock.withLock { lostRepliesLeft } }
+    set { lock.withLock { lostRepliesLeft = newValue } }
+  }
+  private var lostRepliesLeft = 0
+
   private func write<T>(_ body: () async throws -> T) async throws -> T {
     let n = lock.withLock {
       writesSent += 1
       return writesSent
     }
     try beforeWrite?(n)
+    let loseReply = lock.withLock {
+      defer { lostRepliesLeft = max(0, lostRepliesLeft - 1) }
+      return lostRepliesLeft > 0
+    }
+    if loseReply {
+      _ = try await body()
+      throw CloudError.unavailable("simulated: reply lost")
+    }
     let fate = Self.writeFate(nextFate())
     if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
     let result = try await body()
