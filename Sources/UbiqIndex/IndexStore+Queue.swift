@@ -10,6 +10,8 @@ public struct UploadSnapshot: Sendable {
   public var xattrs: [String: Data]
   /// Bytes of the item's content were recorded without an fsync of its cache file.
   public var contentUnsynced = false
+  /// The item and revision the snapshot shows.
+  public var identity: ItemIdentity { ItemIdentity(itemID: row.itemID, revision: row.revision) }
 }
 
 /// Which cloud item a local item is, at which local revision.

@@ -293,11 +293,9 @@ public final class UploadWorker: @unchecked Sendable {
     var size = Self.batchLimit
     while let first = pending.first {
       // An item that changed since its snapshot goes the one way, which takes a fresh one.
-      let now = (try? index.identities(pending.map(\.inode))) ?? [:]
-      let unchanged = pending.prefix(size).prefix {
-        now[$0.inode]
-          == ItemIdentity(itemID: $0.prepared.snapshot.row.itemID, revision: $0.prepared.snapshot.row.revision)
-      }
+      let next = pending.prefix(size)
+      let now = (try? index.identities(next.map(\.inode))) ?? [:]
+      let unchanged = next.prefix { now[$0.inode] == $0.prepared.snapshot.identity }
       size = min(Self.batchLimit, size * 2)
       if unchanged.count <= 1 {
         await process(first.entry, prepared: Task { first.prepared })
@@ -352,7 +350,7 @@ public final class UploadWorker: @unchecked Sendable {
         // deleted), that snapshot is no longer the state to commit. One fresh snapshot is; its
         // content's chunks are mostly in the cloud already.
         if prepared != nil, let snap = p?.snapshot,
-          try index.item(inode).map({ $0.itemID != snap.row.itemID || $0.revision != snap.row.revision }) ?? true
+          try index.identities([inode])[inode] != snap.identity
         {
           p = try await prepare(inode)
         }
