@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Profiles the ubiqfs daemon while Python creates or removes N empty files in one folder.
-# Usage: bench/profile.sh create|remove [N] [OUTDIR]
+# Profiles the ubiqfs daemon while Python creates or removes N empty files in one folder, or
+# while the uploads of N empty files (created with uploads held back) drain to the embedded cloud.
+# Usage: bench/profile.sh create|remove|drain [N] [OUTDIR]
 #   UBIQFS_BIN (default .build/release/ubiqfs), UPLOAD_DELAY_MS (default 600000: uploads held
 #   back, so only the namespace work is measured).
 # Writes OUTDIR/WORKLOAD.data (perf record --call-graph dwarf) and OUTDIR/WORKLOAD-tree.txt (the
 # inclusive share of each frame, Swift names demangled). Mount and daemon are removed at the end.
 set -euo pipefail
-work=${1:?usage: profile.sh create|remove [N] [OUTDIR]}
+work=${1:?usage: profile.sh create|remove|drain [N] [OUTDIR]}
 n=${2:-3000}
 out=$(mkdir -p "${3:-/tmp/ubiqfs-profile}" && cd "${3:-/tmp/ubiqfs-profile}" && pwd)
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,12 +25,17 @@ trap cleanup EXIT
 pid=$(pgrep -n -f "ubiqfs.*$tmp/mnt")
 dir=$tmp/mnt/Documents/many
 mkdir -p "$dir"
-if [ "$work" = remove ]; then
+if [ "$work" = remove ] || [ "$work" = drain ]; then
   python3 -c "import sys; [open(f'$dir/f{i}', 'wb').close() for i in range($n)]"
 fi
 perf record -F 999 --call-graph dwarf,16384 -p "$pid" -o "$out/$work.data" 2>/dev/null &
 rec=$!
 sleep 1
+if [ "$work" = drain ]; then
+  t0=$(date +%s.%N)
+  "$bin" sync --wait "$tmp/mnt" --timeout 3600 >/dev/null
+  python3 -c "import sys; print(f'drain {sys.argv[1]}: {int(sys.argv[1]) / ($(date +%s.%N) - $t0):.0f} items per second')" "$n"
+else
 python3 - "$work" "$dir" "$n" <<'PY'
 import os, sys, time
 work, d, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -41,6 +47,7 @@ for i in range(n):
         os.unlink(f"{d}/f{i}")
 print(f"{work} {n}: {n / (time.perf_counter() - t0):.0f} per second")
 PY
+fi
 kill -INT "$rec"
 wait "$rec" 2>/dev/null || true
 perf report -i "$out/$work.data" --children --sort sym --stdio -g none 2>/dev/null | grep -v '^#' | grep -v '^$' \

@@ -166,31 +166,36 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem {
     try await pool.write { db in
-      guard try Self.containerExists(db, account, container) else {
+      guard var counters = try CommitCounters.read(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
+      let before = counters
       var records: [String: CloudItem] = [:]
-      return try Self.commitOne(
+      let stored = try Self.commitOne(
         db, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule),
-        records: &records)
+        records: &records, counters: &counters)
+      try counters.save(db, account, container, over: before)
+      return stored
     }
   }
 
   public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults {
     try await pool.write { db in
-      guard try Self.containerExists(db, account, container) else {
+      guard var counters = try CommitCounters.read(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
+      let before = counters
       var committed: [CloudItem] = []
+      var refused: CloudError?
       // The batch's items mostly share their ancestors: each is read and decoded once.
       var records: [String: CloudItem] = [:]
       for write in writes {
         do {
           // A write refused part way (the quota is checked after the record is stored) leaves
-          // nothing: its savepoint is rolled back.
+          // nothing: its savepoint is rolled back, and the counters take only what is stored.
           var stored: CloudItem?
           try db.inSavepoint {
-            stored = try Self.commitOne(db, account, container, write, records: &records)
+            stored = try Self.commitOne(db, account, container, write, records: &records, counters: &counters)
             return .commit
           }
           if let stored {
@@ -198,53 +203,83 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
             records[stored.itemID] = stored
           }
         } catch let error as CloudError {
-          return ItemPutResults(committed: committed, refused: error)
+          refused = error
+          break
         }
       }
-      return ItemPutResults(committed: committed, refused: nil)
+      try counters.save(db, account, container, over: before)
+      return ItemPutResults(committed: committed, refused: refused)
+    }
+  }
+
+  /// The counters a commit transaction changes, of its container (the last change sequence
+  /// number, the live items) and of its account (the usage): read once when the transaction
+  /// starts, kept here while its writes are made, written back once (`save`).
+  struct CommitCounters: Equatable {
+    var lastSeq: Int64
+    var liveItems: Int64
+    var usage: Usage
+
+    /// Nil when the container does not exist.
+    static func read(_ db: Database, _ account: String, _ container: String) throws -> CommitCounters? {
+      guard
+        let row = try Row.fetchOne(
+          db.cached("SELECT lastSeq, liveItems FROM containers WHERE account = ? AND container = ?"),
+          arguments: [account, container])
+      else { return nil }
+      return CommitCounters(lastSeq: row["lastSeq"], liveItems: row["liveItems"], usage: try usageRow(db, account))
+    }
+
+    /// Writes what changed since `before`.
+    func save(_ db: Database, _ account: String, _ container: String, over before: CommitCounters) throws {
+      if lastSeq != before.lastSeq || liveItems != before.liveItems {
+        try db.cached("UPDATE containers SET lastSeq = ?, liveItems = ? WHERE account = ? AND container = ?")
+          .execute(arguments: [lastSeq, liveItems, account, container])
+      }
+      let charge = (usage.metadataBytes ?? 0) - (before.usage.metadataBytes ?? 0)
+      if charge != 0 {
+        try db.cached("UPDATE accounts SET metadataBytes = metadataBytes + ? WHERE name = ?")
+          .execute(arguments: [charge, account])
+      }
+    }
+
+    /// Adds `charge` (what a commit changed in the cost of the records) to the metadata bytes;
+    /// refuses growth past the quota.
+    mutating func chargeMetadata(_ charge: Int64) throws {
+      if charge > 0 { guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) } }
+      let (metadata, overflow) = (usage.metadataBytes ?? 0).addingReportingOverflow(charge)
+      let (used, usedOverflow) = usage.usedBytes.addingReportingOverflow(charge)
+      guard !overflow, !usedOverflow else { throw CloudError.quotaExceeded(usage) }
+      usage.metadataBytes = metadata
+      usage.usedBytes = used
     }
   }
 
   /// One write of a commit, inside its transaction, in a container known to exist. `records`:
   /// records of this transaction already read, by item id, and it adds those it reads.
+  /// `counters` take the write only when it is stored.
   static func commitOne(
     _ db: Database, _ account: String, _ container: String, _ write: ItemWrite,
-    records: inout [String: CloudItem]
+    records: inout [String: CloudItem], counters: inout CommitCounters
   ) throws -> CloudItem {
     let item = write.item
     let current = try Self.storedRecord(db, account, container, item.itemID)
     try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, itemID: item.itemID)
     let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
+    var next = counters
     if let rule = write.rule {
       var tree = try Self.treeSnapshot(db, account, container, item, records: &records)
       tree.addsLiveItem = delta > 0
-      tree.liveItems =
-        try Int64.fetchOne(
-          db.cached("SELECT liveItems FROM containers WHERE account = ? AND container = ?"),
-          arguments: [account, container]) ?? 0
+      tree.liveItems = next.liveItems
       try rule(tree)
     }
     try Self.useChunks(db, account, write.chunks, now: Clock.nowSeconds())
-    if delta != 0 {
-      try db.cached("UPDATE containers SET liveItems = liveItems + ? WHERE account = ? AND container = ?")
-        .execute(arguments: [delta, account, container])
-    }
-    let stored = try Self.store(db, account, container, item)
-    try Self.chargeMetadata(db, account, MetadataCost.charge(before: current, after: stored))
+    next.liveItems += delta
+    next.lastSeq += 1
+    let stored = try Self.write(db, account, container, item, seq: next.lastSeq)
+    try next.chargeMetadata(MetadataCost.charge(before: current, after: stored))
+    counters = next
     return stored.item
-  }
-
-  /// Adds `charge` (what a commit changed in the cost of the records) to the account's
-  /// metadata bytes; refuses growth past the quota.
-  static func chargeMetadata(_ db: Database, _ account: String, _ charge: Int64) throws {
-    if charge > 0 {
-      let usage = try usageRow(db, account)
-      guard usage.admits(charge) else { throw CloudError.quotaExceeded(usage) }
-    }
-    if charge != 0 {
-      try db.cached("UPDATE accounts SET metadataBytes = metadataBytes + ? WHERE name = ?")
-        .execute(arguments: [charge, account])
-    }
   }
 
   /// Runs `body` on `hashes` in slices of at most 500, each with its `?,?,...` placeholders
@@ -332,6 +367,13 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       try Int64.fetchOne(
         db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
         arguments: [account, container]) ?? 0
+    return try write(db, account, container, item, seq: seq)
+  }
+
+  /// Writes `item` as change `seq` (also its etag); returns the record as stored.
+  static func write(_ db: Database, _ account: String, _ container: String, _ item: CloudItem, seq: Int64) throws
+    -> StoredRecord
+  {
     var record = item
     record.changeSeq = seq
     record.etag = String(seq)

@@ -195,6 +195,15 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
+  /// The inode and etag of the item with `itemID`, if it is here: what tells the echo of this
+  /// device's own version from a change, without reading the whole row.
+  public func etag(itemID: String) throws -> (inode: Int64, etag: String?)? {
+    try readOne { db in
+      try Row.fetchOne(db.cached("SELECT id, etag FROM items WHERE itemID = ?"), arguments: [itemID])
+        .map { ($0["id"], $0["etag"]) }
+    }
+  }
+
   public func child(of parent: Int64, named name: String) throws -> ItemRow? {
     try readOne { db in
       try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name])

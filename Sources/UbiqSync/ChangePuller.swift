@@ -142,12 +142,12 @@ public final class ChangePuller: @unchecked Sendable {
   func apply(
     _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
   ) throws -> RemoteApplyResult {
-    guard let local = try index.item(itemID: item.itemID), let inode = local.id else {
+    guard let (inode, etag) = try index.etag(itemID: item.itemID) else {
       return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write
     // transaction).
-    if !item.deleted && local.etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
+    if !item.deleted && etag == item.etag { return RemoteApplyResult(outcome: .unchanged, inode: inode) }
     return try inodes.withInodeLock(inode) {
       if inodes.isBusy(inode) {
         if holding { try index.holdRemote(item) }

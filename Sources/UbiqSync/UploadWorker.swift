@@ -125,13 +125,13 @@ public final class UploadWorker: @unchecked Sendable {
       }
       var didWork = false
       do {
-        let due = try index.dueQueue(now: self.index.clock.nowNs(), limit: Self.batchLimit)
+        let due = try index.dueQueue(now: self.index.clock.nowNs(), limit: Self.pageLimit)
         if !due.isEmpty {
           didWork = true
           let (stopped, processed) = await drain(due)
           if stopped { return }
           // A full page: more is due at once, read it without a pause.
-          if due.count == Self.batchLimit && processed == due.count {
+          if due.count == Self.pageLimit && processed == due.count {
             idleSince = Clock.monotonicNs()
             continue
           }
@@ -205,13 +205,13 @@ public final class UploadWorker: @unchecked Sendable {
         // A big upload still being sent: what was gathered before it need not wait for it.
         if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
         if let ready = await gatherable(due[i], inode, task) {
-          // A request stays well within the server's body limit (16 MiB): big chunk lists or
-          // extended attributes make smaller batches.
-          if !gathered.isEmpty, gatheredBytes + ready.bytes > batchBytes { await commitTogether(&gathered) }
+          // What is gathered stays within a few requests' worth of JSON (`commitTogether` cuts
+          // it into requests within the server's body limit).
+          if !gathered.isEmpty, gatheredBytes + ready.bytes > 4 * batchBytes { await commitTogether(&gathered) }
           if gathered.isEmpty { gatheredBytes = 0 }
           gathered.append(ready)
           gatheredBytes += ready.bytes
-          if gathered.count >= Self.batchLimit { await commitTogether(&gathered) }
+          if gathered.count >= Self.pageLimit { await commitTogether(&gathered) }
           continue
         }
       }
@@ -222,24 +222,68 @@ public final class UploadWorker: @unchecked Sendable {
     return (false, due.count)
   }
 
-  /// The most due entries read at once, and the most versions committed in one request.
+  /// The most due entries read at once: a page is committed in several requests, so that the
+  /// record of one overlaps the sending of the next.
+  static let pageLimit = 1024
+
+  /// The most versions committed in one request.
   static let batchLimit = 256
 
-  /// Indices of a page's entries whose preparation has finished. Sendable: guarded by `lock`.
+  /// Indices of a page's entries whose preparation has finished, and the one wait for such an
+  /// entry at a time: `insert` resumes it at once, a timer after its time is up. Sendable:
+  /// guarded by `lock`.
   final class PreparedSet: @unchecked Sendable {
     private let lock = NSLock()
     private var done = Set<Int>()
-    func insert(_ i: Int) { lock.withLock { _ = done.insert(i) } }
-    func contains(_ i: Int) -> Bool { lock.withLock { done.contains(i) } }
-    /// Whether entry `i`'s preparation has finished, or does within `upToNs`.
-    func waitFor(_ i: Int, upToNs: UInt64) async -> Bool {
-      var waited: UInt64 = 0
-      while !contains(i) {
-        if waited >= upToNs { return false }
-        try? await Task.sleep(nanoseconds: 1_000_000)
-        waited += 1_000_000
+    /// The wait in progress: its entry, its continuation and its timer.
+    private var waiting: (entry: Int, resume: CheckedContinuation<Void, Never>, timer: Task<Void, Never>?)?
+
+    func insert(_ i: Int) {
+      let woken = lock.withLock { () -> (CheckedContinuation<Void, Never>, Task<Void, Never>?)? in
+        done.insert(i)
+        guard let w = waiting, w.entry == i else { return nil }
+        waiting = nil
+        return (w.resume, w.timer)
       }
-      return true
+      woken?.1?.cancel()
+      woken?.0.resume()
+    }
+
+    func contains(_ i: Int) -> Bool { lock.withLock { done.contains(i) } }
+
+    /// Whether entry `i`'s preparation has finished, or does within `upToNs`. One wait at a
+    /// time (the page's loop is the only caller).
+    func waitFor(_ i: Int, upToNs: UInt64) async -> Bool {
+      if contains(i) { return true }
+      await withCheckedContinuation { (c: CheckedContinuation<Void, Never>) in
+        let registered = lock.withLock {
+          if done.contains(i) { return false }
+          waiting = (i, c, nil)
+          return true
+        }
+        guard registered else { return c.resume() }
+        let timer = Task {
+          do { try await Task.sleep(nanoseconds: upToNs) } catch { return }
+          self.timeOut(i)
+        }
+        let stillWaiting = lock.withLock {
+          guard waiting?.entry == i else { return false }
+          waiting?.timer = timer
+          return true
+        }
+        if !stillWaiting { timer.cancel() }
+      }
+      return contains(i)
+    }
+
+    /// Ends the wait for `i` if it is still in progress.
+    private func timeOut(_ i: Int) {
+      let c = lock.withLock { () -> CheckedContinuation<Void, Never>? in
+        guard let w = waiting, w.entry == i else { return nil }
+        waiting = nil
+        return w.resume
+      }
+      c?.resume()
     }
   }
 
@@ -280,41 +324,57 @@ public final class UploadWorker: @unchecked Sendable {
       entry: entry, inode: inode, prepared: p, version: version, bytes: Self.estimatedBytes(of: version))
   }
 
-  /// Commits gathered versions in queue order, as many per request as the cloud stores: the
-  /// stored ones are recorded in one index transaction. A refused version goes the one way
-  /// (`process`: a merge on a conflict, a step aside from a taken name, a backoff), then the
-  /// ones after it are sent again. Empties `gathered`.
+  /// Commits gathered versions in queue order, as many per request as the cloud stores (at
+  /// most `batchLimit` versions, `batchBytes` of JSON): the stored ones are recorded in one
+  /// index transaction, which runs while the next request is sent. A refused version goes the
+  /// one way (`process`: a merge on a conflict, a step aside from a taken name, a backoff),
+  /// then the ones after it are sent again. Empties `gathered`; returns with every record
+  /// written.
   func commitTogether(_ gathered: inout [GatheredUpload]) async {
     var pending = gathered[...]
     gathered = []
+    // The record of the batch before, written while this one is sent: the entries of two
+    // batches are different items. Anything else that writes to the queue waits for it.
+    var recording: Task<Bool, Never>?
+    func recorded() async -> Bool {
+      defer { recording = nil }
+      return await recording?.value ?? true
+    }
     // After a refusal the next requests start small and double: when refusals follow one
     // another (a lost reply made every etag stale, a parent that failed, the quota), each
     // entry costs a request or two, never a resend of all the ones after it.
     var size = Self.batchLimit
     while let first = pending.first {
       // An item that changed since its snapshot goes the one way, which takes a fresh one.
-      let next = pending.prefix(size)
+      var bytes = 0
+      let next = pending.prefix(size).prefix { upload in
+        defer { bytes += upload.bytes }
+        return bytes == 0 || bytes + upload.bytes <= batchBytes
+      }
       let now = (try? index.identities(next.map(\.inode))) ?? [:]
       let unchanged = next.prefix { now[$0.inode] == $0.prepared.snapshot.identity }
       size = min(Self.batchLimit, size * 2)
       if unchanged.count <= 1 {
+        guard await recorded() else { return }
         await process(first.entry, prepared: Task { first.prepared })
         pending = pending.dropFirst()
         continue
       }
       let inodes = Set(unchanged.map(\.inode))
       lock.withLock { committing.formUnion(inodes) }
-      defer { lock.withLock { committing.subtract(inodes) } }
       let results: ItemPutResults
       do {
         results = try await cloud.putItems(
           container, unchanged.map { ItemPut(item: $0.version, ifMatch: $0.prepared.snapshot.row.etag) })
       } catch CloudError.invalid {
+        lock.withLock { committing.subtract(inodes) }
         // The request as a whole was refused (its body, its size): one by one, each entry gets
         // its own answer, and one that cannot be sent holds back no other.
         size = 1
         continue
       } catch {
+        lock.withLock { committing.subtract(inodes) }
+        guard await recorded() else { return }
         // Nothing is known to be stored: each entry failed as its own commit would have.
         for upload in unchanged { failed(upload.entry, error) }
         pending = pending.dropFirst(unchanged.count)
@@ -325,21 +385,33 @@ public final class UploadWorker: @unchecked Sendable {
           seq: upload.entry.seq, inode: upload.inode, itemID: upload.prepared.snapshot.row.itemID,
           revision: upload.prepared.snapshot.row.revision, result: result)
       }
-      do {
-        try index.markUploaded(stored)
-        recorded(true)
-      } catch {
-        log.error("upload queue: cannot record \(stored.count) uploads: \(error)")
-        recorded(false)
+      // One record at a time, in order; a record that fails stops the batches (the versions
+      // sent meanwhile are settled as lost replies: their entries stay queued).
+      guard await recorded() else {
+        lock.withLock { committing.subtract(inodes) }
         return
       }
-      log.debug("uploaded \(stored.count) items together")
+      recording = Task { [self] in
+        defer { lock.withLock { committing.subtract(inodes) } }
+        do {
+          try index.markUploaded(stored)
+          self.recorded(true)
+          log.debug("uploaded \(stored.count) items together")
+          return true
+        } catch {
+          log.error("upload queue: cannot record \(stored.count) uploads: \(error)")
+          self.recorded(false)
+          return false
+        }
+      }
       pending = pending.dropFirst(stored.count)
       if results.refused != nil, let refused = pending.popFirst() {
         size = 1
+        guard await recorded() else { return }
         await process(refused.entry, prepared: Task { refused.prepared })
       }
     }
+    _ = await recorded()
   }
 
   func process(_ entry: QueueEntry, prepared: Task<PreparedUpload?, Error>?) async {

@@ -69,6 +69,31 @@ import UbiqCore
     }
   }
 
+  /// A page of more versions than one request carries goes in several requests, each recorded
+  /// while the next is sent; every version arrives and the queue empties.
+  @Test func aPageOfManyVersionsGoesInSeveralRequestsAndEveryOneArrives() async throws {
+    try await onOwnThread {
+      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
+      let counted = FlakyCloud(engine)
+      let a = try CoreWorld(cloud: counted)
+      let b = try CoreWorld(cloud: engine)
+      let n = 3 * UploadWorker.batchLimit + 10
+      for i in 0..<n { try a.writeFile("m\(i)", Data(i % 50 == 0 ? "\(i)".utf8 : "".utf8)) }
+      let before = counted.itemRequests
+      try a.drainUploads()
+      let requests = counted.itemRequests - before
+      // At least one request per batch; a content upload slower than the wait for it sends
+      // what was gathered before it early, so a few more.
+      try checkThat(requests >= 4 && requests <= n / 20, "\(n) versions took \(requests) requests")
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "a's queue is empty")
+      try b.pull()
+      for i in 0..<n {
+        _ = try #require(try b.inode("m\(i)"), "m\(i) arrived")
+        try checkThat(try b.readFile("m\(i)") == Data(i % 50 == 0 ? "\(i)".utf8 : "".utf8), "m\(i) has its bytes")
+      }
+    }
+  }
+
   /// A batch request stays within its byte budget: versions with big extended attributes go a
   /// few per request, and every one arrives.
   @Test func bigVersionsMakeSmallerBatches() async throws {
@@ -92,6 +117,43 @@ import UbiqCore
       for i in 0..<30 {
         let inode = try #require(try b.inode("x\(i)"))
         try checkThat(try b.index.xattr(inode, "user.big") == value, "x\(i) arrived with its attribute")
+      }
+    }
+  }
+}
+
+/// The wait of a page's loop for an entry's preparation (`UploadWorker.PreparedSet`).
+@Suite struct PreparedSetTests {
+  /// An entry already prepared, or prepared while the loop waits, ends the wait with true; one
+  /// that is not prepared in time ends it with false; an insert racing the timer resumes the
+  /// wait once (a second resume of a continuation traps).
+  @Test func aWaitEndsWhenItsEntryIsPreparedOrItsTimeIsUp() async throws {
+    try await onOwnThread {
+      try runBlocking {
+        let set = UploadWorker.PreparedSet()
+        set.insert(0)
+        #expect(await set.waitFor(0, upToNs: 1_000_000_000))
+        #expect(!(await set.waitFor(1, upToNs: 2_000_000)))
+        // Inserted from elsewhere while the wait is in progress, at every moment around the
+        // registration and around the timer's end.
+        for i in 2..<2_000 {
+          let delayNs = UInt64(i % 7) * 200_000
+          let inserter = Task.detached {
+            if delayNs > 0 { try? await Task.sleep(nanoseconds: delayNs) }
+            set.insert(i)
+          }
+          let seen = await set.waitFor(i, upToNs: UInt64(i % 5) * 300_000)
+          // True only for an entry inserted by then.
+          if seen { #expect(set.contains(i)) }
+          await inserter.value
+        }
+        // A long wait ends at the insert: a 60 s timer would otherwise hold the test.
+        let late = Task.detached {
+          try? await Task.sleep(nanoseconds: 20_000_000)
+          set.insert(5_000)
+        }
+        #expect(await set.waitFor(5_000, upToNs: 60_000_000_000))
+        await late.value
       }
     }
   }
