@@ -126,7 +126,9 @@ let package = Package(
         .product(name: "ArgumentParser", package: "swift-argument-parser"),
         .product(name: "Logging", package: "swift-log"),
       ]),
-    .testTarget(name: "UbiqCoreTests", dependencies: ["UbiqCore"]),
+    .testTarget(
+      name: "UbiqCoreTests",
+      dependencies: ["UbiqCore", .product(name: "PropertyBased", package: "swift-property-based")]),
     .testTarget(
       name: "UbiqIndexTests",
       dependencies: ["UbiqCore", "UbiqIndex", .product(name: "PropertyBased", package: "swift-property-based")]),

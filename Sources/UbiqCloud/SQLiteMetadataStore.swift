@@ -10,7 +10,6 @@ import UbiqSQLite
 /// Sendable: nothing mutable besides the database, whose pool serializes access.
 public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable {
   let pool: DatabasePool
-  static let encoder = JSONEncoder()
   static let decoder = JSONDecoder()
 
   public init(path: String) throws {
@@ -377,7 +376,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     var record = item
     record.changeSeq = seq
     record.etag = String(seq)
-    let encoded = try encoder.encode(record)
+    let encoded = RecordJSON.encode(record)
     try db.cached(
       """
       INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)

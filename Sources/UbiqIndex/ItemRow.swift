@@ -98,9 +98,14 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
     return all.isEmpty ? nil : json(all)
   }
 
-  /// The JSON the index stores (chunk manifests, records, conflicts). Keys are sorted: the
-  /// encoder on Linux orders them differently from one encoding to the next, and manifests are
-  /// compared as text.
+  /// A cloud record (a row's base) as JSON (`RecordJSON`); no reader compares its text.
+  static func json(_ item: CloudItem) -> String? {
+    String(decoding: RecordJSON.encode(item), as: UTF8.self)
+  }
+
+  /// The JSON the index stores (chunk manifests, conflicts). Keys are sorted: the encoder on
+  /// Linux orders them differently from one encoding to the next, and manifests are compared
+  /// as text.
   static func json<T: Encodable>(_ v: T) -> String? {
     (try? jsonEncoder.encode(v)).flatMap { String(data: $0, encoding: .utf8) }
   }
