@@ -85,6 +85,25 @@ public struct ItemPut: Codable, Sendable {
   }
   /// The most versions one batch may hold.
   public static let maxPerBatch = 1000
+
+  /// The body of a batch request, `{"puts": [{"item", "ifMatch"}]}`, with the records written
+  /// by `RecordJSON`.
+  public static func batchJSON(_ puts: [ItemPut]) -> Data {
+    var out: [UInt8] = Array(#"{"puts":["#.utf8)
+    out.reserveCapacity(400 * puts.count + 16)
+    for (i, put) in puts.enumerated() {
+      if i > 0 { out.append(UInt8(ascii: ",")) }
+      out.append(contentsOf: #"{"item":"#.utf8)
+      RecordJSON.write(put.item, into: &out)
+      if let etag = put.ifMatch {
+        out.append(contentsOf: #","ifMatch":"#.utf8)
+        RecordJSON.writeString(etag, into: &out)
+      }
+      out.append(UInt8(ascii: "}"))
+    }
+    out.append(contentsOf: "]}".utf8)
+    return Data(out)
+  }
 }
 
 /// What a batch of item versions did: the stored records of the versions before the first one

@@ -10,6 +10,30 @@ public enum RecordJSON {
     var out: [UInt8] = []
     out.reserveCapacity(
       256 + item.name.utf8.count + 90 * item.chunks.count + item.xattrs.values.reduce(0) { $0 + $1.count * 4 / 3 + 8 })
+    write(item, into: &out)
+    return Data(out)
+  }
+
+  /// Records as a JSON array.
+  public static func encode(_ items: [CloudItem]) -> Data {
+    var out: [UInt8] = []
+    out.reserveCapacity(400 * items.count + 2)
+    writeArray(items, into: &out)
+    return Data(out)
+  }
+
+  /// Appends records as a JSON array to `out`.
+  public static func writeArray(_ items: [CloudItem], into out: inout [UInt8]) {
+    out.append(UInt8(ascii: "["))
+    for (i, item) in items.enumerated() {
+      if i > 0 { out.append(UInt8(ascii: ",")) }
+      write(item, into: &out)
+    }
+    out.append(UInt8(ascii: "]"))
+  }
+
+  /// Appends the record's JSON object to `out`.
+  public static func write(_ item: CloudItem, into out: inout [UInt8]) {
     out.append(UInt8(ascii: "{"))
     key("itemID", &out, first: true)
     string(item.itemID, &out)
@@ -75,7 +99,6 @@ public enum RecordJSON {
       out.append(UInt8(ascii: "]"))
     }
     out.append(UInt8(ascii: "}"))
-    return Data(out)
   }
 
   private static func chunks(_ refs: [ChunkRef], _ out: inout [UInt8]) {
@@ -107,6 +130,8 @@ public enum RecordJSON {
 
   /// A JSON string: the quote, the backslash and the control characters escaped, everything
   /// else as its UTF-8 bytes (a Swift string is always valid Unicode).
+  public static func writeString(_ s: String, into out: inout [UInt8]) { string(s, &out) }
+
   private static func string(_ s: String, _ out: inout [UInt8]) {
     out.append(UInt8(ascii: "\""))
     for b in s.utf8 {

@@ -63,7 +63,6 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     return try api.json(CloudItem.self, r.body)
   }
 
-  struct PutItemsRequest: Encodable { var puts: [ItemPut] }
   struct PutItemsResponse: Decodable {
     var committed: [CloudItem]
     var refused: Refused?
@@ -83,7 +82,7 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     let r: (status: Int, headers: HTTPHeaders, body: Data)
     do {
       r = try await api.send(
-        .POST, containerPath(container) + "/items", body: try api.encode(PutItemsRequest(puts: puts)))
+        .POST, containerPath(container) + "/items", body: ItemPut.batchJSON(puts))
     } catch CloudError.notFound {
       // A server without batches, or without the container (which a single PUT then says).
       let results = try await putItemsOneByOne(container, puts)

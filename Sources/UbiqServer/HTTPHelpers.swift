@@ -158,6 +158,13 @@ enum HTTPHelpers {
     return Response(status: status, headers: h, body: .init(byteBuffer: ByteBuffer(data: data)))
   }
 
+  /// A response whose JSON body is already written.
+  static func response(json data: Data, status: HTTPResponse.Status = .ok) -> Response {
+    var h = HTTPFields()
+    h[.contentType] = "application/json; charset=utf-8"
+    return Response(status: status, headers: h, body: .init(byteBuffer: ByteBuffer(data: data)))
+  }
+
   /// A percent-decoded path parameter; invalid escapes or invalid UTF-8 are 400s.
   static func param(_ context: UbiqRequestContext, _ name: String) throws -> String {
     guard let raw = context.parameters.get(name) else {
