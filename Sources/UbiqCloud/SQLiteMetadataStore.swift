@@ -214,7 +214,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   /// The counters a commit transaction changes, of its container (the last change sequence
   /// number, the live items) and of its account (the usage): read once when the transaction
   /// starts, kept here while its writes are made, written back once (`save`).
-  struct CommitCounters: Equatable {
+  struct CommitCounters {
     var lastSeq: Int64
     var liveItems: Int64
     var usage: Usage

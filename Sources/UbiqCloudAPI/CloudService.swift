@@ -89,10 +89,9 @@ public struct ItemPut: Codable, Sendable {
   /// The body of a batch request, `{"puts": [{"item", "ifMatch"}]}`, with the records written
   /// by `RecordJSON`.
   public static func batchJSON(_ puts: [ItemPut]) -> Data {
-    var out: [UInt8] = Array(#"{"puts":["#.utf8)
+    var out: [UInt8] = Array(#"{"puts":"#.utf8)
     out.reserveCapacity(400 * puts.count + 16)
-    for (i, put) in puts.enumerated() {
-      if i > 0 { out.append(UInt8(ascii: ",")) }
+    RecordJSON.writeArray(puts, into: &out) { put, out in
       out.append(contentsOf: #"{"item":"#.utf8)
       RecordJSON.write(put.item, into: &out)
       if let etag = put.ifMatch {
@@ -101,7 +100,7 @@ public struct ItemPut: Codable, Sendable {
       }
       out.append(UInt8(ascii: "}"))
     }
-    out.append(contentsOf: "]}".utf8)
+    out.append(UInt8(ascii: "}"))
     return Data(out)
   }
 }

@@ -24,10 +24,17 @@ public enum RecordJSON {
 
   /// Appends records as a JSON array to `out`.
   public static func writeArray(_ items: [CloudItem], into out: inout [UInt8]) {
+    writeArray(items, into: &out) { item, out in write(item, into: &out) }
+  }
+
+  /// Appends a JSON array to `out`, each element written by `element`.
+  public static func writeArray<T>(
+    _ elements: [T], into out: inout [UInt8], _ element: (T, inout [UInt8]) -> Void
+  ) {
     out.append(UInt8(ascii: "["))
-    for (i, item) in items.enumerated() {
+    for (i, e) in elements.enumerated() {
       if i > 0 { out.append(UInt8(ascii: ",")) }
-      write(item, into: &out)
+      element(e, &out)
     }
     out.append(UInt8(ascii: "]"))
   }
@@ -80,9 +87,7 @@ public enum RecordJSON {
     }
     if let conflicts = item.conflicts {
       key("conflicts", &out)
-      out.append(UInt8(ascii: "["))
-      for (i, v) in conflicts.enumerated() {
-        if i > 0 { out.append(UInt8(ascii: ",")) }
+      writeArray(conflicts, into: &out) { v, out in
         out.append(UInt8(ascii: "{"))
         key("versionID", &out, first: true)
         string(v.versionID, &out)
@@ -96,15 +101,12 @@ public enum RecordJSON {
         chunks(v.chunks, &out)
         out.append(UInt8(ascii: "}"))
       }
-      out.append(UInt8(ascii: "]"))
     }
     out.append(UInt8(ascii: "}"))
   }
 
   private static func chunks(_ refs: [ChunkRef], _ out: inout [UInt8]) {
-    out.append(UInt8(ascii: "["))
-    for (i, c) in refs.enumerated() {
-      if i > 0 { out.append(UInt8(ascii: ",")) }
+    writeArray(refs, into: &out) { c, out in
       out.append(UInt8(ascii: "{"))
       key("hash", &out, first: true)
       string(c.hash, &out)
@@ -112,7 +114,6 @@ public enum RecordJSON {
       number(c.length, &out)
       out.append(UInt8(ascii: "}"))
     }
-    out.append(UInt8(ascii: "]"))
   }
 
   private static func key(_ k: StaticString, _ out: inout [UInt8], first: Bool = false) {

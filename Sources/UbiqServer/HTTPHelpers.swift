@@ -152,15 +152,12 @@ enum HTTPHelpers {
   static func response<T: Encodable>(
     _ value: T, status: HTTPResponse.Status = .ok, headers: HTTPFields = [:]
   ) throws -> Response {
-    var h = headers
-    h[.contentType] = "application/json; charset=utf-8"
-    let data = try encoder.encode(value)
-    return Response(status: status, headers: h, body: .init(byteBuffer: ByteBuffer(data: data)))
+    response(json: try encoder.encode(value), status: status, headers: headers)
   }
 
   /// A response whose JSON body is already written.
-  static func response(json data: Data, status: HTTPResponse.Status = .ok) -> Response {
-    var h = HTTPFields()
+  static func response(json data: Data, status: HTTPResponse.Status = .ok, headers: HTTPFields = [:]) -> Response {
+    var h = headers
     h[.contentType] = "application/json; charset=utf-8"
     return Response(status: status, headers: h, body: .init(byteBuffer: ByteBuffer(data: data)))
   }

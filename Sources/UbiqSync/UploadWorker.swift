@@ -336,7 +336,7 @@ public final class UploadWorker: @unchecked Sendable {
     // The record of the batch before, written while this one is sent: the entries of two
     // batches are different items. Anything else that writes to the queue waits for it.
     var recording: Task<Bool, Never>?
-    func recorded() async -> Bool {
+    func previousRecordStood() async -> Bool {
       defer { recording = nil }
       return await recording?.value ?? true
     }
@@ -355,7 +355,7 @@ public final class UploadWorker: @unchecked Sendable {
       let unchanged = next.prefix { now[$0.inode] == $0.prepared.snapshot.identity }
       size = min(Self.batchLimit, size * 2)
       if unchanged.count <= 1 {
-        guard await recorded() else { return }
+        guard await previousRecordStood() else { return }
         await process(first.entry, prepared: Task { first.prepared })
         pending = pending.dropFirst()
         continue
@@ -374,7 +374,7 @@ public final class UploadWorker: @unchecked Sendable {
         continue
       } catch {
         lock.withLock { committing.subtract(inodes) }
-        guard await recorded() else { return }
+        guard await previousRecordStood() else { return }
         // Nothing is known to be stored: each entry failed as its own commit would have.
         for upload in unchanged { failed(upload.entry, error) }
         pending = pending.dropFirst(unchanged.count)
@@ -387,7 +387,7 @@ public final class UploadWorker: @unchecked Sendable {
       }
       // One record at a time, in order; a record that fails stops the batches (the versions
       // sent meanwhile are settled as lost replies: their entries stay queued).
-      guard await recorded() else {
+      guard await previousRecordStood() else {
         lock.withLock { committing.subtract(inodes) }
         return
       }
@@ -407,11 +407,11 @@ public final class UploadWorker: @unchecked Sendable {
       pending = pending.dropFirst(stored.count)
       if results.refused != nil, let refused = pending.popFirst() {
         size = 1
-        guard await recorded() else { return }
+        guard await previousRecordStood() else { return }
         await process(refused.entry, prepared: Task { refused.prepared })
       }
     }
-    _ = await recorded()
+    _ = await previousRecordStood()
   }
 
   func process(_ entry: QueueEntry, prepared: Task<PreparedUpload?, Error>?) async {
