@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Upload drain of many small items: N empty files are created through a mount whose uploads
 wait (a long upload delay), then `ubiqfs sync --wait` makes them all due and returns when the
-cloud has every one. Reports items per second, to the embedded cloud and to `ubiqfs serve`
-(embedded engine) on loopback; each build and cloud is measured in turn, round after round,
-and the medians are printed.
+cloud has every one. Then the same for their deletes: `rm -rf` of the folders, and `sync
+--wait` again. Reports items per second of each drain, to the embedded cloud and to `ubiqfs
+serve` (embedded engine) on loopback; each build and cloud is measured in turn, round after
+round, and the medians are printed.
 
     bench/drain.py [--files 20000] [--rounds 3] [--cloud embedded,serve] [--root /var/tmp]
                    [BIN ...]
@@ -35,8 +36,9 @@ def create_files(d: Path, n: int, per_folder: int = 5000):
         open(d / f"d{i // per_folder}" / f"f{i}", "wb").close()
 
 
-def measure(binary: str, root: Path, cloud: str, files: int) -> float:
-    """Items per second of the drain of `files` empty files (and their folders)."""
+def measure(binary: str, root: Path, cloud: str, files: int) -> tuple[float, float]:
+    """Items per second of the drain of `files` empty files (and their folders), then of their
+    deletes."""
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     mnt = root / "mnt"
@@ -52,9 +54,15 @@ def measure(binary: str, root: Path, cloud: str, files: int) -> float:
                        check=True, capture_output=True)
         create_files(mnt / "Documents", files)
         items = files + (files + 4999) // 5000
-        secs = timed(lambda: subprocess.run([binary, "sync", "--wait", str(mnt), "--timeout", "3600"], env=env,
-                                            check=True, capture_output=True))
-        return items / secs
+
+        def drain() -> float:
+            return timed(lambda: subprocess.run([binary, "sync", "--wait", str(mnt), "--timeout", "3600"], env=env,
+                                                check=True, capture_output=True))
+
+        created = items / drain()
+        for folder in (mnt / "Documents").iterdir():
+            shutil.rmtree(folder)
+        return created, items / drain()
     finally:
         subprocess.run([binary, "unmount", str(mnt)], env=env, capture_output=True, timeout=600)
         if server:
@@ -72,14 +80,18 @@ def main():
     a = ap.parse_args()
     binaries = a.binaries or [str(BIN)]
     clouds = a.cloud.split(",")
-    runs: dict[tuple[str, str], list[float]] = {(b, c): [] for b in binaries for c in clouds}
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {(b, c): [] for b in binaries for c in clouds}
     for r in range(a.rounds):
         for (binary, cloud), values in runs.items():
             values.append(measure(binary, a.root / "ubiqfs-drain", cloud, a.files))
-            print(f"round {r + 1}: {binary} to {cloud}: {values[-1]:.0f} items/s", flush=True)
+            created, deleted = values[-1]
+            print(f"round {r + 1}: {binary} to {cloud}: created {created:.0f} items/s, deleted {deleted:.0f} items/s",
+                  flush=True)
     print(f"\nmedians of {a.rounds} rounds, {a.files} empty files:")
     for (binary, cloud), values in runs.items():
-        print(f"  {binary} to {cloud}: {statistics.median(values):.0f} items/s")
+        created = statistics.median(v[0] for v in values)
+        deleted = statistics.median(v[1] for v in values)
+        print(f"  {binary} to {cloud}: created {created:.0f} items/s, deleted {deleted:.0f} items/s")
 
 
 if __name__ == "__main__":

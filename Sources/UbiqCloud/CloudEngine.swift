@@ -136,7 +136,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
       rule: write.rule)
   }
 
-  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     guard puts.count <= ItemPut.maxPerBatch else {
       throw CloudError.invalid("a batch holds at most \(ItemPut.maxPerBatch) item versions, not \(puts.count)")
     }
@@ -235,23 +235,91 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
-    guard itemID != WellKnownItem.root, itemID != WellKnownItem.documents else {
-      throw CloudError.invalid("the container root and Documents cannot be deleted")
-    }
-    guard Identifier.isValid(itemID) else { throw CloudError.invalidID("item id \(Identifier.quoted(itemID))") }
+    if let refusal = Self.deleteRefusal(itemID: itemID) { throw refusal }
     if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
-    guard var current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
+    guard let current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
       throw CloudError.notFound("item \(itemID)")
     }
     if current.deleted { return current }
-    current.deleted = true
-    current.chunks = []
-    current.xattrs = [:]
-    current.deviceID = deviceID
-    current.contentDeviceID = nil
+    let tombstone = tombstone(of: current, by: deviceID)
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: current, ifMatch: ifMatch,
-      chunks: Self.referencedChunks(current), rule: Self.deleteRule)
+      account: account, container: container.rawValue, item: tombstone, ifMatch: ifMatch,
+      chunks: Self.referencedChunks(tombstone), rule: Self.deleteRule)
+  }
+
+  public func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
+  {
+    guard deletes.count <= ItemDelete.maxPerBatch else {
+      throw CloudError.invalid("a batch holds at most \(ItemDelete.maxPerBatch) deletes, not \(deletes.count)")
+    }
+    if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    // The deletes up to the first invalid one are carried out; the store may refuse one earlier.
+    var valid = deletes[...]
+    var invalid: CloudError?
+    if let bad = deletes.firstIndex(where: { Self.deleteRefusal(itemID: $0.itemID) != nil }) {
+      invalid = Self.deleteRefusal(itemID: deletes[bad].itemID)
+      valid = deletes[..<bad]
+    }
+    let current = try await metadata.items(
+      account: account, container: container.rawValue, itemIDs: valid.map(\.itemID))
+    // An item already deleted keeps its tombstone and writes nothing; the others become
+    // tombstones, written in order in one transaction. An unknown item ends the batch.
+    enum Step {
+      case alreadyDeleted(CloudItem)
+      case write(Int)
+      case absent(String)
+    }
+    var steps: [Step] = []
+    var writes: [ItemWrite] = []
+    for delete in valid {
+      guard let item = current[delete.itemID] else {
+        steps.append(.absent(delete.itemID))
+        break
+      }
+      if item.deleted {
+        steps.append(.alreadyDeleted(item))
+        continue
+      }
+      steps.append(.write(writes.count))
+      let tombstone = tombstone(of: item, by: deviceID)
+      writes.append(
+        ItemWrite(
+          item: tombstone, ifMatch: delete.ifMatch, chunks: Self.referencedChunks(tombstone), rule: Self.deleteRule))
+    }
+    let stored = try await metadata.commitAll(account: account, container: container.rawValue, writes: writes)
+    var committed: [CloudItem] = []
+    for step in steps {
+      switch step {
+      case .alreadyDeleted(let tombstone): committed.append(tombstone)
+      case .absent(let itemID): return ItemBatchResults(committed: committed, refused: .notFound("item \(itemID)"))
+      case .write(let w):
+        guard w < stored.committed.count else { return ItemBatchResults(committed: committed, refused: stored.refused) }
+        committed.append(stored.committed[w])
+      }
+    }
+    return ItemBatchResults(committed: committed, refused: invalid)
+  }
+
+  /// Why an item cannot be deleted whatever its state (nil: it may be).
+  static func deleteRefusal(itemID: String) -> CloudError? {
+    if itemID == WellKnownItem.root || itemID == WellKnownItem.documents {
+      return .invalid("the container root and Documents cannot be deleted")
+    }
+    guard Identifier.isValid(itemID) else { return .invalidID("item id \(Identifier.quoted(itemID))") }
+    return nil
+  }
+
+  /// The tombstone that replaces `item` when `deviceID` deletes it: no content and no extended
+  /// attributes (its conflict versions are kept).
+  func tombstone(of item: CloudItem, by deviceID: String) -> CloudItem {
+    var tombstone = item
+    tombstone.deleted = true
+    tombstone.chunks = []
+    tombstone.xattrs = [:]
+    tombstone.deviceID = deviceID
+    tombstone.contentDeviceID = nil
+    return tombstone
   }
 
   /// The chunks a record keeps alive: its content's and its conflict versions'.

@@ -161,6 +161,22 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
+  public func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem] {
+    try await pool.read { db in
+      var found: [String: CloudItem] = [:]
+      try Self.inSlices(itemIDs) { slice, marks in
+        for data in try Data.fetchAll(
+          db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID IN (\(marks))",
+          arguments: StatementArguments([account, container] + slice))
+        {
+          let item = try Self.decoder.decode(CloudItem.self, from: data)
+          found[item.itemID] = item
+        }
+      }
+      return found
+    }
+  }
+
   public func commit(
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem {
@@ -178,7 +194,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults {
+  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults {
     try await pool.write { db in
       guard var counters = try CommitCounters.read(db, account, container) else {
         throw CloudError.notFound("container \(container)")
@@ -207,7 +223,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         }
       }
       try counters.save(db, account, container, over: before)
-      return ItemPutResults(committed: committed, refused: refused)
+      return ItemBatchResults(committed: committed, refused: refused)
     }
   }
 

@@ -21,6 +21,8 @@ public protocol MetadataStore: Sendable {
   /// The container identifiers of an account, sorted.
   func containers(account: String) async throws -> [String]
   func item(account: String, container: String, itemID: String) async throws -> CloudItem?
+  /// The current records (tombstones included) of those of `itemIDs` that exist, by item id.
+  func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem]
   /// Stores `item` with a new change sequence number and etag if the current etag matches
   /// `ifMatch` (nil: the item must not exist or be a tombstone). For a live `item`, `rule` is
   /// called with the item's `TreeSnapshot`, read in the same transaction, and its error aborts
@@ -33,7 +35,7 @@ public protocol MetadataStore: Sendable {
   /// Stores `writes` in order in one transaction, each as `commit` would. The first write
   /// refused with a `CloudError` stops the batch: the writes before it are stored, it and the
   /// ones after it are not, and its error is returned. Any other error throws, storing nothing.
-  func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults
+  func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults
   /// The records changed after `since`, in change order: at most `limit`, and past the first
   /// no more than `maxBytes` of stored record bytes (`ChangeBatch.page`).
   func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws

@@ -60,10 +60,17 @@ public protocol CloudService: Sendable {
   /// transaction: the first one refused stops the batch. The versions before it are stored, and
   /// take consecutive change sequence numbers; it and the ones after it are not. Throws (with
   /// nothing stored) only for a failure of the whole request. At most `ItemPut.maxPerBatch`.
-  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults
+  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults
   /// Deletes an item (leaves a tombstone in the change feed).
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
+  /// Deletes items in order, each as `deleteItem` would with its If-Match, in one transaction:
+  /// the first delete refused stops the batch. The deletes before it are done (their tombstones
+  /// are `committed`; an item that was already deleted gives its existing tombstone); it and the
+  /// ones after it are not. Throws (with nothing deleted) only for a failure of the whole
+  /// request. At most `ItemDelete.maxPerBatch`.
+  func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
   /// The current record of one item, tombstones included.
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem?
   /// Changes after `since` (0 = from the beginning).
@@ -105,9 +112,38 @@ public struct ItemPut: Codable, Sendable {
   }
 }
 
-/// What a batch of item versions did: the stored records of the versions before the first one
-/// refused, in order, and why that one was refused (nil: every version was stored).
-public struct ItemPutResults: Sendable {
+/// One delete of a batch (`CloudService.deleteItems`): always based on a known version.
+public struct ItemDelete: Codable, Sendable, Equatable {
+  public var itemID: String
+  /// The etag of the version the delete is based on.
+  public var ifMatch: String
+  public init(itemID: String, ifMatch: String) {
+    self.itemID = itemID
+    self.ifMatch = ifMatch
+  }
+  /// The most deletes one batch may hold.
+  public static let maxPerBatch = 1000
+
+  /// The body of a batch request, `{"deletes": [{"itemID", "ifMatch"}]}`.
+  public static func batchJSON(_ deletes: [ItemDelete]) -> Data {
+    var out: [UInt8] = Array(#"{"deletes":"#.utf8)
+    out.reserveCapacity(80 * deletes.count + 16)
+    RecordJSON.writeArray(deletes, into: &out) { delete, out in
+      out.append(contentsOf: #"{"itemID":"#.utf8)
+      RecordJSON.writeString(delete.itemID, into: &out)
+      out.append(contentsOf: #","ifMatch":"#.utf8)
+      RecordJSON.writeString(delete.ifMatch, into: &out)
+      out.append(UInt8(ascii: "}"))
+    }
+    out.append(UInt8(ascii: "}"))
+    return Data(out)
+  }
+}
+
+/// What a batch of item versions or deletes did: the stored records (tombstones for deletes)
+/// of the ones before the first one refused, in order, and why that one was refused (nil: every
+/// one was stored).
+public struct ItemBatchResults: Sendable {
   public var committed: [CloudItem]
   public var refused: CloudError?
   public init(committed: [CloudItem], refused: CloudError?) {
@@ -118,26 +154,52 @@ public struct ItemPutResults: Sendable {
 
 extension CloudService {
   /// A cloud with no batch of its own commits one version after another.
-  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     try await putItemsOneByOne(container, puts)
   }
 
   /// One `putItem` after another: not one transaction, so a failure of a request after the
   /// first version leaves the ones before it stored, and is reported as the next one's refusal.
-  public func putItemsOneByOne(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+  public func putItemsOneByOne(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
+    try await Self.oneByOne(puts) { put in try await putItem(container, put.item, ifMatch: put.ifMatch) }
+  }
+
+  /// A cloud with no batch of its own deletes one item after another.
+  public func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
+  {
+    try await deleteItemsOneByOne(container, deletes, deviceID: deviceID)
+  }
+
+  /// One `deleteItem` after another, reported as `putItemsOneByOne` reports its versions.
+  public func deleteItemsOneByOne(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
+  {
+    try await Self.oneByOne(deletes) { delete in
+      try await deleteItem(container, itemID: delete.itemID, ifMatch: delete.ifMatch, deviceID: deviceID)
+    }
+  }
+
+  /// Sends `requests` one after another until one is refused: a `CloudError` is that one's
+  /// refusal; any other failure throws when nothing was stored yet, else is reported as the
+  /// refusal of the next one.
+  static func oneByOne<Request>(_ requests: [Request], _ send: (Request) async throws -> CloudItem) async throws
+    -> ItemBatchResults
+  {
     var committed: [CloudItem] = []
-    for put in puts {
+    for request in requests {
       do {
-        committed.append(try await putItem(container, put.item, ifMatch: put.ifMatch))
+        committed.append(try await send(request))
       } catch let error as CloudError {
-        return ItemPutResults(committed: committed, refused: error)
+        return ItemBatchResults(committed: committed, refused: error)
       } catch {
         if committed.isEmpty { throw error }
-        return ItemPutResults(committed: committed, refused: .unavailable("\(error)"))
+        return ItemBatchResults(committed: committed, refused: .unavailable("\(error)"))
       }
     }
-    return ItemPutResults(committed: committed, refused: nil)
+    return ItemBatchResults(committed: committed, refused: nil)
   }
+
 }
 
 /// Failures specific to the cloud protocol.

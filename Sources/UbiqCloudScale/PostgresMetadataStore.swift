@@ -335,6 +335,25 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
+  public func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem] {
+    if itemIDs.isEmpty { return [:] }
+    return try await read { conn in
+      var found: [String: CloudItem] = [:]
+      for batch in stride(from: 0, to: itemIDs.count, by: 1000) {
+        let slice = Array(itemIDs[batch..<min(batch + 1000, itemIDs.count)])
+        for try await record in try await conn.query(
+          """
+          SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = ANY(\(slice))
+          """, logger: log
+        ).decode(String.self) {
+          let item = try Self.decoder.decode(CloudItem.self, from: Data(record.utf8))
+          found[item.itemID] = item
+        }
+      }
+      return found
+    }
+  }
+
   public func commit(
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem {
@@ -345,7 +364,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemPutResults {
+  public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults {
     try await transaction { conn in
       try await lockContainer(conn, account, container)
       var committed: [CloudItem] = []
@@ -358,10 +377,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           try await conn.query("RELEASE SAVEPOINT item_write", logger: log)
         } catch let error as CloudError {
           try await conn.query("ROLLBACK TO SAVEPOINT item_write", logger: log)
-          return ItemPutResults(committed: committed, refused: error)
+          return ItemBatchResults(committed: committed, refused: error)
         }
       }
-      return ItemPutResults(committed: committed, refused: nil)
+      return ItemBatchResults(committed: committed, refused: nil)
     }
   }
 

@@ -8,13 +8,13 @@ import UbiqCore
 /// `CloudService` over the HTTP API of `ubiqfs serve` (docs/protocol.md), for one signed-in
 /// account. Every request is bounded (2 s connect, 30 s request, long-polls their timeout
 /// plus 15 s), so an unreachable server surfaces as `CloudError.unavailable`, never a hang.
-/// Sendable: `noBatches` is guarded by `lock`; otherwise immutable after init, and requests
+/// Sendable: `unbatched` is guarded by `lock`; otherwise immutable after init, and requests
 /// share nothing but the thread-safe HTTP client.
 public final class HTTPCloud: CloudService, @unchecked Sendable {
   public let api: APIClient
   private let lock = NSLock()
-  /// The server answered 404 to a batch: it has no batch route, and versions go one by one.
-  private var noBatches = false
+  /// The batch routes the server answered 404 to (it has none): their requests go one by one.
+  private var unbatched: Set<String> = []
 
   public init(api: APIClient) { self.api = api }
 
@@ -63,7 +63,8 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     return try api.json(CloudItem.self, r.body)
   }
 
-  struct PutItemsResponse: Decodable {
+  /// The answer to a batch of versions or deletes.
+  struct BatchResponse: Decodable {
     var committed: [CloudItem]
     var refused: Refused?
   }
@@ -77,24 +78,41 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     var usage: Usage?
   }
 
-  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
-    if lock.withLock({ noBatches }) { return try await putItemsOneByOne(container, puts) }
+  public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
+    try await batch(
+      containerPath(container) + "/items", query: [], body: ItemPut.batchJSON(puts), count: puts.count,
+      what: "stored versions"
+    ) { try await putItemsOneByOne(container, puts) }
+  }
+
+  public func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
+  {
+    try await batch(
+      containerPath(container) + "/deletes", query: [("device", deviceID)], body: ItemDelete.batchJSON(deletes),
+      count: deletes.count, what: "deletes done"
+    ) { try await deleteItemsOneByOne(container, deletes, deviceID: deviceID) }
+  }
+
+  /// Sends a batch of `count` versions or deletes and checks its answer: the records of the
+  /// ones done, then the refusal if one was refused. A server without batches answers 404; it
+  /// (or one that lacks the container, which a single request then says) gets them one by one.
+  private func batch(
+    _ path: String, query: [(String, String)], body: Data, count: Int, what: String,
+    oneByOne: () async throws -> ItemBatchResults
+  ) async throws -> ItemBatchResults {
+    if lock.withLock({ unbatched.contains(path) }) { return try await oneByOne() }
     let r: (status: Int, headers: HTTPHeaders, body: Data)
     do {
-      r = try await api.send(
-        .POST, containerPath(container) + "/items", body: ItemPut.batchJSON(puts))
+      r = try await api.send(.POST, path, query: query, body: body)
     } catch CloudError.notFound {
-      // A server without batches, or without the container (which a single PUT then says).
-      let results = try await putItemsOneByOne(container, puts)
-      if !results.committed.isEmpty { lock.withLock { noBatches = true } }
+      let results = try await oneByOne()
+      if !results.committed.isEmpty { lock.withLock { _ = unbatched.insert(path) } }
       return results
     }
-    let answer = try api.json(PutItemsResponse.self, r.body)
-    guard
-      answer.refused == nil ? answer.committed.count == puts.count : answer.committed.count < puts.count
-    else {
-      throw CloudError.unavailable(
-        "the server answered \(answer.committed.count) stored versions to a batch of \(puts.count)")
+    let answer = try api.json(BatchResponse.self, r.body)
+    guard answer.refused == nil ? answer.committed.count == count : answer.committed.count < count else {
+      throw CloudError.unavailable("the server answered \(answer.committed.count) \(what) to a batch of \(count)")
     }
     var refused: CloudError?
     if let body = answer.refused {
@@ -103,7 +121,7 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
       case let error: refused = .unavailable("\(error)")
       }
     }
-    return ItemPutResults(committed: answer.committed, refused: refused)
+    return ItemBatchResults(committed: answer.committed, refused: refused)
   }
 
   public func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws

@@ -224,6 +224,18 @@ extension IndexStore {
     }
   }
 
+  /// Records deletes the cloud carried out (each as `finishDelete` with nothing to restore),
+  /// in one transaction: each entry (by its queue sequence number) leaves the queue.
+  public func finishDeletes(_ done: [(seq: Int64, itemID: String)]) throws {
+    if done.isEmpty { return }
+    try pool.write { db in
+      for (seq, itemID) in done {
+        try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+        try Self.releaseHeld(db, itemID: itemID)
+      }
+    }
+  }
+
   public func markDone(seq: Int64) throws {
     try pool.write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
   }

@@ -44,6 +44,7 @@ struct APIRoutes: Sendable {
     v1.put("containers/:container/items/:item", use: putItem)
     v1.post("containers/:container/items", use: putItems)
     v1.delete("containers/:container/items/:item", use: deleteItem)
+    v1.post("containers/:container/deletes", use: deleteItems)
     v1.get("containers/:container/changes", use: changes)
     v1.get("containers/:container/changes/wait", use: waitForChanges)
     // Chunks.
@@ -191,6 +192,26 @@ struct APIRoutes: Sendable {
     let c = try H.container(context)
     let body = try H.json(PutItemsRequest.self, try await H.body(request, limit: limits.maxJSONBytes))
     let results = try await engine(context).putItems(c, body.puts)
+    return try await batchAnswer(results, container: c, context: context)
+  }
+
+  /// The body of `POST .../deletes`: deletes, carried out in order in one transaction.
+  struct DeleteItemsRequest: Decodable {
+    var deletes: [ItemDelete]
+  }
+
+  @Sendable func deleteItems(_ request: Request, context: Ctx) async throws -> Response {
+    let c = try H.container(context)
+    let body = try H.json(DeleteItemsRequest.self, try await H.body(request, limit: limits.maxJSONBytes))
+    let identity = try context.requireIdentity()
+    let device = request.uri.queryParameters.get("device") ?? identity.device
+    let results = try await engine(context).deleteItems(c, body.deletes, deviceID: device)
+    return try await batchAnswer(results, container: c, context: context)
+  }
+
+  /// The answer to a batch: `{"committed": [records], "refused": error body}`. Counts the
+  /// commits and tells the change hub of the newest.
+  func batchAnswer(_ results: ItemBatchResults, container c: ContainerID, context: Ctx) async throws -> Response {
     metrics.commits.increment(by: Int64(results.committed.count))
     var refused: APIError.Body?
     if let error = results.refused {
@@ -198,8 +219,8 @@ struct APIRoutes: Sendable {
       let api = APIError.from(cloud: error)
       refused = api.bodyFields(status: Int(api.status.code))
     }
-    if let last = results.committed.last {
-      await hub.notify(account: try context.requireIdentity().account, container: c.rawValue, seq: last.changeSeq)
+    if let newest = results.committed.map(\.changeSeq).max() {
+      await hub.notify(account: try context.requireIdentity().account, container: c.rawValue, seq: newest)
     }
     // The records are written by RecordJSON (the batch's answer is most of a drain's JSON).
     var answer: [UInt8] = Array(#"{"committed":"#.utf8)

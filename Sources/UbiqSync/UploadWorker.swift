@@ -158,16 +158,18 @@ public final class UploadWorker: @unchecked Sendable {
 
   /// Processes a page of due entries: the content of up to `parallelUploads` uploads is
   /// prepared concurrently, ahead of the commits, which happen in queue order. Consecutive
-  /// prepared versions are committed together (`commitTogether`); a delete, a move waiting for
-  /// its content, or an entry whose preparation is still running sends the ones gathered
-  /// before it first. Returns whether the worker was stopped meanwhile, and how many entries
-  /// were processed.
+  /// prepared versions are committed together (`commitTogether`), and consecutive plain deletes
+  /// are sent together (`deleteTogether`); any other entry (a delete with rules of its own, a
+  /// move waiting for its content, an entry whose preparation is still running) sends the ones
+  /// gathered before it first. Returns whether the worker was stopped meanwhile, and how many
+  /// entries were processed.
   func drain(_ due: [QueueEntry]) async -> (stopped: Bool, processed: Int) {
     var preparing: [Int: Task<PreparedUpload?, Error>] = [:]
     let prepared = PreparedSet()
     var launched = 0
     var gathered: [GatheredUpload] = []
     var gatheredBytes = 0
+    var deletes: [GatheredDelete] = []
     defer { for task in preparing.values { task.cancel() } }
     do {
       // A commit may reach the cloud and a power loss take its record from the index: what may
@@ -201,6 +203,12 @@ public final class UploadWorker: @unchecked Sendable {
         return (lock.withLock { stopped }, i)
       }
       let task = preparing.removeValue(forKey: i)
+      if let delete = Self.plainDelete(due[i]) {
+        await commitTogether(&gathered)
+        deletes.append(GatheredDelete(entry: due[i], delete: delete))
+        continue
+      }
+      await deleteTogether(&deletes)
       if let inode = due[i].item, let task {
         // A big upload still being sent: what was gathered before it need not wait for it.
         if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
@@ -219,7 +227,66 @@ public final class UploadWorker: @unchecked Sendable {
       await process(due[i], prepared: task)
     }
     await commitTogether(&gathered)
+    await deleteTogether(&deletes)
     return (false, due.count)
+  }
+
+  /// A delete queued with the etag it is based on and no rule of its own to apply first (no
+  /// conflict versions to keep): it can go in a batch.
+  static func plainDelete(_ entry: QueueEntry) -> ItemDelete? {
+    guard entry.item == nil, let itemID = entry.deleteItemID, let etag = entry.deleteEtag, !entry.deleteKeepsVersions
+    else { return nil }
+    return ItemDelete(itemID: itemID, ifMatch: etag)
+  }
+
+  /// A plain delete waiting to be sent with others.
+  struct GatheredDelete {
+    var entry: QueueEntry
+    var delete: ItemDelete
+  }
+
+  /// Sends gathered deletes in queue order, at most `batchLimit` per request, and records each
+  /// request's deletes in one index transaction. A refused delete goes the one way (`process`:
+  /// an edit elsewhere brings the file back, a folder that is not empty waits or comes back),
+  /// then the ones after it are sent again. Empties `gathered`.
+  func deleteTogether(_ gathered: inout [GatheredDelete]) async {
+    var pending = gathered[...]
+    gathered = []
+    while let first = pending.first {
+      let next = pending.prefix(Self.batchLimit)
+      if next.count == 1 {
+        await process(first.entry, prepared: nil)
+        pending = pending.dropFirst()
+        continue
+      }
+      let results: ItemBatchResults
+      do {
+        results = try await cloud.deleteItems(container, next.map(\.delete), deviceID: deviceID)
+      } catch CloudError.invalid {
+        // The request as a whole was refused: one by one, each entry gets its own answer.
+        for gatheredDelete in next { await process(gatheredDelete.entry, prepared: nil) }
+        pending = pending.dropFirst(next.count)
+        continue
+      } catch {
+        // Nothing is known to be done: each entry failed as its own delete would have.
+        for gatheredDelete in next { failed(gatheredDelete.entry, error) }
+        pending = pending.dropFirst(next.count)
+        continue
+      }
+      let done = next.prefix(results.committed.count)
+      do {
+        try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID) })
+        recorded(true)
+        log.debug("deleted \(done.count) items together")
+      } catch {
+        // The deletes stay queued; sent again, they find their tombstones.
+        log.error("upload queue: cannot record \(done.count) deletes: \(error)")
+        recorded(false)
+        return
+      }
+      pending = pending.dropFirst(done.count)
+      if results.refused != nil, let refused = pending.popFirst() { await process(refused.entry, prepared: nil) }
+    }
   }
 
   /// The most due entries read at once: a page is committed in several requests, so that the
@@ -362,7 +429,7 @@ public final class UploadWorker: @unchecked Sendable {
       }
       let inodes = Set(unchanged.map(\.inode))
       lock.withLock { committing.formUnion(inodes) }
-      let results: ItemPutResults
+      let results: ItemBatchResults
       do {
         results = try await cloud.putItems(
           container, unchanged.map { ItemPut(item: $0.version, ifMatch: $0.prepared.snapshot.row.etag) })

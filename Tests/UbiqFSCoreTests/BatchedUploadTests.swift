@@ -8,15 +8,63 @@ import UbiqCore
 
 /// The upload worker commits consecutive prepared versions together (`UploadWorker.drain`).
 @Suite(.serialized) struct BatchedUploadTests {
+  /// Two devices of one embedded cloud; device a reaches it through a `FlakyCloud` that counts
+  /// its requests.
+  func twoDevices() throws -> (counted: FlakyCloud, a: CoreWorld, b: CoreWorld) {
+    let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
+    let counted = FlakyCloud(engine)
+    return (counted, try CoreWorld(cloud: counted), try CoreWorld(cloud: engine))
+  }
+
+  /// An `rm -r` of a tree of 310 files goes to the cloud in a few requests, not one per item. A
+  /// delete the cloud refuses in the middle of a batch (the file was edited on another device)
+  /// is settled alone: the file comes back, and so does its folder, whose delete is then refused
+  /// as not empty; the deletes after it are still sent together.
+  @Test func anRmROfATreeGoesInFewRequestsAndARefusedDeleteIsSettledAlone() async throws {
+    try await onOwnThread {
+      let (counted, a, b) = try twoDevices()
+      let d = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      let sub = try a.core.mkdir(parent: d, name: "sub", mode: 0o755, caller: .current).inode
+      for i in 0..<300 { try a.writeFile("d/f\(i)", Data("\(i)".utf8)) }
+      for i in 0..<10 { try a.writeFile("d/sub/g\(i)", Data()) }
+      try a.drainUploads()
+      try b.pull()
+      try b.writeFile("d/f7", Data("from b\n".utf8))
+      try b.drainUploads()
+
+      let before = counted.deleteRequests
+      for i in 0..<300 { try a.core.unlink(parent: d, name: "f\(i)") }
+      for i in 0..<10 { try a.core.unlink(parent: sub, name: "g\(i)") }
+      try a.core.rmdir(parent: d, name: "sub")
+      try a.core.rmdir(parent: a.documents, name: "d")
+      try a.drainUploads()
+      let requests = counted.deleteRequests - before
+      // One by one, the 312 deletes take 312 requests.
+      try checkThat(requests <= 20, "312 deletes took \(requests) requests")
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "a's queue is empty")
+
+      try a.pull()
+      try b.pull()
+      for world in [a, b] {
+        try checkThat(try world.readFile("d/f7") == Data("from b\n".utf8), "the edited file is back, with its edit")
+        try checkThat(try world.inode("d/f8") == nil, "d/f8 is gone")
+        try checkThat(try world.inode("d/sub") == nil, "d/sub is gone")
+        var names: [String] = []
+        try world.core.readdir(try #require(try world.inode("d")), offset: 0) { entry in
+          if entry.name != "." && entry.name != ".." { names.append(entry.name) }
+          return true
+        }
+        try checkThat(names == ["f7"], "d holds only f7, not \(names)")
+      }
+    }
+  }
+
   /// A hundred new items reach the cloud in a few requests, not one each; a version the cloud
   /// refuses in the middle of a batch (based on a stale etag) is merged on its own, and the
   /// versions after it are still sent together.
   @Test func manyItemsShareRequestsAndARefusedOneIsSettledAlone() async throws {
     try await onOwnThread {
-      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
-      let counted = FlakyCloud(engine)
-      let a = try CoreWorld(cloud: counted)
-      let b = try CoreWorld(cloud: engine)
+      let (counted, a, b) = try twoDevices()
       try a.writeFile("shared.txt", Data("base\n".utf8))
       try a.drainUploads()
       try b.pull()
@@ -49,10 +97,7 @@ import UbiqCore
   /// of all the ones after it.
   @Test func refusalsInARowCostEachEntryFewVersionsSent() async throws {
     try await onOwnThread {
-      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
-      let counted = FlakyCloud(engine)
-      let a = try CoreWorld(cloud: counted)
-      let b = try CoreWorld(cloud: engine)
+      let (counted, a, b) = try twoDevices()
       // As many as one pass of the test harness takes (64).
       for i in 0..<60 { try a.writeFile("f\(i)", Data()) }
       counted.repliesToLose = 1
@@ -73,10 +118,7 @@ import UbiqCore
   /// while the next is sent; every version arrives and the queue empties.
   @Test func aPageOfManyVersionsGoesInSeveralRequestsAndEveryOneArrives() async throws {
     try await onOwnThread {
-      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
-      let counted = FlakyCloud(engine)
-      let a = try CoreWorld(cloud: counted)
-      let b = try CoreWorld(cloud: engine)
+      let (counted, a, b) = try twoDevices()
       let n = 3 * UploadWorker.batchLimit + 10
       for i in 0..<n { try a.writeFile("m\(i)", Data(i % 50 == 0 ? "\(i)".utf8 : "".utf8)) }
       let before = counted.itemRequests
@@ -98,10 +140,7 @@ import UbiqCore
   /// few per request, and every one arrives.
   @Test func bigVersionsMakeSmallerBatches() async throws {
     try await onOwnThread {
-      let engine = try CloudEngine.embedded(directory: CoreWorld.temporaryFolder("ubiq-cloud"))
-      let counted = FlakyCloud(engine)
-      let a = try CoreWorld(cloud: counted)
-      let b = try CoreWorld(cloud: engine)
+      let (counted, a, b) = try twoDevices()
       let value = Data(repeating: 0x61, count: 4096)
       for i in 0..<30 {
         let inode = try a.writeFile("x\(i)", Data())

@@ -157,7 +157,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     }
     return try await write { try await inner.putItem(container, item, ifMatch: ifMatch) }
   }
-  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemPutResults {
+  func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     lock.withLock {
       namesSent += puts.map(\.item.name)
       itemRequestsSent += 1
@@ -167,7 +167,20 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
-    try await write { try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID) }
+    lock.withLock { deleteRequestsSent += 1 }
+    return try await write {
+      try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+    }
+  }
+  /// Requests that delete items (one or a batch), sent so far.
+  var deleteRequests: Int { lock.withLock { deleteRequestsSent } }
+  private var deleteRequestsSent = 0
+
+  func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
+    -> ItemBatchResults
+  {
+    lock.withLock { deleteRequestsSent += 1 }
+    return try await write { try await inner.deleteItems(container, deletes, deviceID: deviceID) }
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }

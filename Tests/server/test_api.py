@@ -182,6 +182,64 @@ def test_a_batch_of_versions_commits_in_order_and_stops_at_the_first_refused(api
     error(api.post("/v1/containers/iCloud.com.example.other/items", {"puts": puts[:1]}), 404, "not_found")
 
 
+def test_a_batch_of_deletes_goes_in_order_and_stops_at_the_first_refused(api):
+    api.ensure_container(C)
+    puts = [{"item": item("df", "dfolder", kind=2)}, {"item": item("d1", "d1", parent="df")}]
+    puts += [{"item": item("d2", "d2", parent="df")}, {"item": item("d3", "d3")}, {"item": item("d4", "d4")}]
+    etags = {i["itemID"]: i["etag"] for i in api.post(f"{CQ}/items", {"puts": puts}).json()["committed"]}
+    d4 = api.put(f"{CQ}/items/d4", item("d4", "d4", mode=0o600), headers={"If-Match": f'"{etags["d4"]}"'}).json()
+
+    def deletes(*ids, etag=None):
+        return {"deletes": [{"itemID": i, "ifMatch": etag or etags[i]} for i in ids]}
+
+    # A folder's files, then the folder, in one batch; then a delete based on a stale etag,
+    # refused as a single DELETE would be, and nothing after it.
+    r = api.post(f"{CQ}/deletes?device=dev-b", deletes("d1", "d2", "df", "d4", "d3"))
+    assert r.status == 200, r
+    body = r.json()
+    assert [(i["itemID"], i["deleted"], i["deviceID"]) for i in body["committed"]] == [
+        ("d1", True, "dev-b"), ("d2", True, "dev-b"), ("df", True, "dev-b")]
+    seqs = [i["changeSeq"] for i in body["committed"]]
+    assert seqs == [seqs[0], seqs[0] + 1, seqs[0] + 2]
+    refused = body["refused"]
+    assert (refused["status"], refused["code"]) == (409, "conflict"), refused
+    assert refused["current"]["etag"] == d4["etag"] and refused["current"]["deleted"] is False
+    assert api.get(f"{CQ}/items/d3").json()["deleted"] is False
+    feed = api.get(f"{CQ}/changes?since={seqs[0] - 1}").json()
+    assert [(i["itemID"], i["deleted"]) for i in feed["items"]] == [("d1", True), ("d2", True), ("df", True)]
+    # Sent again (a lost reply): what is already deleted answers its tombstone and writes nothing.
+    body = api.post(f"{CQ}/deletes", deletes("d1", "d3")).json()
+    assert [(i["itemID"], i["deleted"]) for i in body["committed"]] == [("d1", True), ("d3", True)]
+    assert body["committed"][0]["changeSeq"] == seqs[0] and body.get("refused") is None
+    # Every refusal a single DELETE knows, after the deletes before it.
+    assert api.put(f"{CQ}/items/ne", item("ne", "ne", kind=2)).status == 201
+    child = api.put(f"{CQ}/items/nc", item("nc", "nc", parent="ne")).json()
+    etags["ne"] = api.get(f"{CQ}/items/ne").json()["etag"]
+    cases = [
+        ("ne", etags["ne"], 409, "not_empty"),
+        ("nowhere", "1", 404, "not_found"),
+        ("documents", "2", 400, "invalid"),
+        ("bad id", "1", 400, "invalid_id"),
+    ]
+    for n, (item_id, etag, status, code) in enumerate(cases):
+        ok = api.put(f"{CQ}/items/ok-del{n}", item(f"ok-del{n}", f"ok-del{n}")).json()
+        batch = {"deletes": [{"itemID": ok["itemID"], "ifMatch": ok["etag"]}, {"itemID": item_id, "ifMatch": etag}]}
+        body = api.post(f"{CQ}/deletes", batch).json()
+        assert [i["itemID"] for i in body["committed"]] == [f"ok-del{n}"], (code, body)
+        assert (body["refused"]["status"], body["refused"]["code"]) == (status, code), body
+    assert api.get(f"{CQ}/items/nc").json()["etag"] == child["etag"]
+    # A request that is wrong as a whole deletes nothing.
+    one = {"deletes": [{"itemID": "nc", "ifMatch": child["etag"]}]}
+    error(api.post(f"{CQ}/deletes", b'{"deletes": [1,'), 400, "bad_json")
+    error(api.post(f"{CQ}/deletes", {"deletes": [{"itemID": "nc"}]}), 400, "bad_json")
+    error(api.post(f"{CQ}/deletes", {"deletes": [{"itemID": 7, "ifMatch": "1"}]}), 400, "bad_json")
+    many = {"deletes": [{"itemID": "nc", "ifMatch": child["etag"]}] * 1001}
+    error(api.post(f"{CQ}/deletes", many), 400, "invalid")
+    error(api.post(f"{CQ}/deletes?device={'x' * 129}", one), 400, "invalid")
+    error(api.post("/v1/containers/iCloud.com.example.other/deletes", one), 404, "not_found")
+    assert api.get(f"{CQ}/items/nc").json()["deleted"] is False
+
+
 def test_a_batch_refused_by_the_quota_stores_nothing_of_the_refused_version(new_account):
     api = new_account(quota="2K")
     api.ensure_container(C)
