@@ -346,7 +346,12 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   /// in JSON (at least one record, however large): `hasMore` and `token` then say where the
   /// next page starts.
   public func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try await metadata.changes(
+    try await storedChanges(container, since: since, limit: limit).decoded()
+  }
+
+  /// `changes` with the records as stored, for a server to send as they are.
+  public func storedChanges(_ container: ContainerID, since: Int64, limit: Int) async throws -> StoredChangePage {
+    try await metadata.storedChanges(
       account: account, container: container.rawValue, since: since, limit: max(1, min(limit, 5000)),
       maxBytes: limits.maxChangePageBytes)
   }

@@ -408,8 +408,8 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     return StoredRecord(item: record, bytes: Int64(encoded.count))
   }
 
-  public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
-    -> ChangeBatch
+  public func storedChanges(account: String, container: String, since: Int64, limit: Int, maxBytes: Int)
+    async throws -> StoredChangePage
   {
     try await pool.read { db in
       let rows = try Row.fetchAll(
@@ -419,9 +419,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           ORDER BY changeSeq LIMIT ?
           """, arguments: [account, container, since, limit + 1]
       ).map { (seq: $0["changeSeq"] as Int64, record: $0["record"] as Data) }
-      return try ChangeBatch.page(of: rows, since: since, limit: limit, maxBytes: maxBytes) {
-        try Self.decoder.decode(CloudItem.self, from: $0)
-      }
+      return StoredChangePage.page(of: rows, since: since, limit: limit, maxBytes: maxBytes)
     }
   }
 

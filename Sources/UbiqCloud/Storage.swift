@@ -36,10 +36,10 @@ public protocol MetadataStore: Sendable {
   /// refused with a `CloudError` stops the batch: the writes before it are stored, it and the
   /// ones after it are not, and its error is returned. Any other error throws, storing nothing.
   func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults
-  /// The records changed after `since`, in change order: at most `limit`, and past the first
-  /// no more than `maxBytes` of stored record bytes (`ChangeBatch.page`).
-  func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
-    -> ChangeBatch
+  /// The records changed after `since`, in change order, as stored: at most `limit`, and past
+  /// the first no more than `maxBytes` of stored record bytes (`StoredChangePage.page`).
+  func storedChanges(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
+    -> StoredChangePage
   /// The newest change sequence number of a container (0 if none).
   func lastChange(account: String, container: String) async throws -> Int64
   /// Which of `hashes` are live chunks of the account (recorded and not doomed).
@@ -71,25 +71,51 @@ public protocol MetadataStore: Sendable {
   func setQuota(account: String, bytes: Int64) async throws
 }
 
-extension ChangeBatch {
-  /// A change page from stored rows in change order (`limit + 1` of them read, to know if more
+/// One page of a container's change feed with each record's JSON as the store holds it (written
+/// by `RecordJSON`, read back by `JSONDecoder` as a `CloudItem`): the server sends it without
+/// decoding and encoding each record again.
+public struct StoredChangePage: Sendable {
+  public var records: [Data]
+  /// Pass this as `since` to continue.
+  public var token: Int64
+  public var hasMore: Bool
+
+  /// A page from stored rows in change order (`limit + 1` of them read, to know if more
   /// follow): up to `limit` records, cut before the record that takes the stored bytes past
-  /// `maxBytes` (but never before the first, so a page always moves on). Measured on the
-  /// stored JSON, so no record is encoded to be measured.
-  public static func page(
-    of rows: [(seq: Int64, record: Data)], since: Int64, limit: Int, maxBytes: Int,
-    decode: (Data) throws -> CloudItem
-  ) throws -> ChangeBatch {
-    var items: [CloudItem] = []
+  /// `maxBytes` (but never before the first, so a page always moves on).
+  public static func page(of rows: [(seq: Int64, record: Data)], since: Int64, limit: Int, maxBytes: Int)
+    -> StoredChangePage
+  {
+    var records: [Data] = []
     var token = since
     var bytes = 0
     for row in rows.prefix(limit) {
       bytes += row.record.count
-      if bytes > maxBytes && !items.isEmpty { return ChangeBatch(items: items, token: token, hasMore: true) }
-      items.append(try decode(row.record))
+      if bytes > maxBytes && !records.isEmpty { return StoredChangePage(records: records, token: token, hasMore: true) }
+      records.append(row.record)
       token = row.seq
     }
-    return ChangeBatch(items: items, token: token, hasMore: rows.count > limit)
+    return StoredChangePage(records: records, token: token, hasMore: rows.count > limit)
+  }
+
+  /// The page with its records decoded.
+  public func decoded() throws -> ChangeBatch {
+    let decoder = JSONDecoder()
+    return ChangeBatch(
+      items: try records.map { try decoder.decode(CloudItem.self, from: $0) }, token: token, hasMore: hasMore)
+  }
+
+  /// The page as the change feed's JSON answer, `{"items": [...], "token": N, "hasMore": bool}`,
+  /// with the records as stored.
+  public func json() -> Data {
+    var out: [UInt8] = Array(#"{"items":["#.utf8)
+    out.reserveCapacity(records.reduce(64) { $0 + $1.count + 1 })
+    for (i, record) in records.enumerated() {
+      if i > 0 { out.append(UInt8(ascii: ",")) }
+      out.append(contentsOf: record)
+    }
+    out.append(contentsOf: #"],"token":\#(token),"hasMore":\#(hasMore)}"#.utf8)
+    return Data(out)
   }
 }
 

@@ -102,8 +102,9 @@ extension CloudEngine {
     var out: [CloudItem] = []
     var since: Int64 = 0
     while true {
-      let batch = try await metadata.changes(
-        account: account, container: container.rawValue, since: since, limit: 5000, maxBytes: .max)
+      let batch = try await metadata.storedChanges(
+        account: account, container: container.rawValue, since: since, limit: 5000, maxBytes: .max
+      ).decoded()
       out += batch.items
       since = batch.token
       if !batch.hasMore { return out }

@@ -545,8 +545,8 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     return StoredRecord(item: record, bytes: Int64(json.utf8.count))
   }
 
-  public func changes(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
-    -> ChangeBatch
+  public func storedChanges(account: String, container: String, since: Int64, limit: Int, maxBytes: Int)
+    async throws -> StoredChangePage
   {
     try await read { conn in
       var rows: [(seq: Int64, record: Data)] = []
@@ -558,9 +558,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       ).decode((Int64, String).self) {
         rows.append((seq, Data(record.utf8)))
       }
-      return try ChangeBatch.page(of: rows, since: since, limit: limit, maxBytes: maxBytes) {
-        try Self.decoder.decode(CloudItem.self, from: $0)
-      }
+      return StoredChangePage.page(of: rows, since: since, limit: limit, maxBytes: maxBytes)
     }
   }
 

@@ -254,7 +254,8 @@ struct APIRoutes: Sendable {
     let c = try H.container(context)
     let since = try H.intQuery(request, "since", default: 0, range: 0...Int64.max)
     let limit = try H.intQuery(request, "limit", default: 1000, range: 1...100_000)
-    return try H.response(try await engine(context).changes(c, since: since, limit: Int(limit)))
+    // The records go out as stored, without being decoded and encoded again.
+    return H.response(json: try await engine(context).storedChanges(c, since: since, limit: Int(limit)).json())
   }
 
   struct WaitResult: Encodable {

@@ -45,6 +45,47 @@ final class CloudEngineTests: XCTestCase {
     XCTAssertEqual(after.items.map(\.deleted), [true])
   }
 
+  /// The change feed as stored (what `ubiqfs serve` sends without decoding it): pages cut by
+  /// count and by bytes as the decoded feed is, and its JSON reads back as the same batch.
+  func testTheStoredChangeFeedReadsAsTheDecodedOne() async throws {
+    let cloud = try CloudEngine.embedded(directory: dir)
+    try await cloud.ensureContainer(container)
+    var item = file("q", Data())
+    item.name = "quote \" back\\slash \u{1} é 😀"
+    item.xattrs = ["user.tag": Data([0, 255, 47])]
+    item.conflicts = [ConflictVersion(versionID: "v1", deviceID: "d\"", mtimeNs: -1, size: 0, chunks: [])]
+    _ = try await cloud.putItem(container, item, ifMatch: nil)
+    for i in 0..<5 { _ = try await cloud.putItem(container, file("f\(i)", Data()), ifMatch: nil) }
+    var since: Int64 = 0
+    var pages = 0
+    while true {
+      let stored = try await cloud.storedChanges(container, since: since, limit: 3)
+      let decoded = try await cloud.changes(container, since: since, limit: 3)
+      let sent = try JSONDecoder().decode(ChangeBatch.self, from: stored.json())
+      XCTAssertEqual(sent.items, decoded.items)
+      XCTAssertEqual(sent.token, decoded.token)
+      XCTAssertEqual(sent.hasMore, decoded.hasMore)
+      XCTAssertLessThanOrEqual(sent.items.count, 3)
+      pages += 1
+      since = sent.token
+      if !sent.hasMore { break }
+    }
+    XCTAssertEqual(pages, 3)
+    let all = try await cloud.changes(container, since: 0, limit: 100)
+    XCTAssertEqual(all.items.first { $0.itemID == "q" }?.name, item.name)
+    // A page past its byte budget ends before the record that would pass it, never before the
+    // first record.
+    let rows: [(seq: Int64, record: Data)] = (1...4).map { ($0, Data(repeating: 0x20, count: 100)) }
+    let cut = StoredChangePage.page(of: rows, since: 0, limit: 3, maxBytes: 250)
+    XCTAssertEqual(cut.records.count, 2)
+    XCTAssertEqual(cut.token, 2)
+    XCTAssertTrue(cut.hasMore)
+    XCTAssertEqual(StoredChangePage.page(of: rows, since: 0, limit: 3, maxBytes: 10).records.count, 1)
+    let end = StoredChangePage.page(of: Array(rows.prefix(2)), since: 0, limit: 3, maxBytes: 1000)
+    XCTAssertEqual(end.records.count, 2)
+    XCTAssertFalse(end.hasMore)
+  }
+
   func testChunksAreVerifiedAndRequired() async throws {
     let cloud = try CloudEngine.embedded(directory: dir)
     try await cloud.ensureContainer(container)
