@@ -241,10 +241,10 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
       throw CloudError.notFound("item \(itemID)")
     }
     if current.deleted { return current }
-    let tombstone = tombstone(of: current, by: deviceID)
+    let gone = Self.tombstone(of: current, by: deviceID)
     return try await metadata.commit(
-      account: account, container: container.rawValue, item: tombstone, ifMatch: ifMatch,
-      chunks: Self.referencedChunks(tombstone), rule: Self.deleteRule)
+      account: account, container: container.rawValue, item: gone, ifMatch: ifMatch,
+      chunks: Self.referencedChunks(gone), rule: Self.deleteRule)
   }
 
   public func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
@@ -282,12 +282,16 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
         continue
       }
       steps.append(.write(writes.count))
-      let tombstone = tombstone(of: item, by: deviceID)
+      let gone = Self.tombstone(of: item, by: deviceID)
       writes.append(
-        ItemWrite(
-          item: tombstone, ifMatch: delete.ifMatch, chunks: Self.referencedChunks(tombstone), rule: Self.deleteRule))
+        ItemWrite(item: gone, ifMatch: delete.ifMatch, chunks: Self.referencedChunks(gone), rule: Self.deleteRule))
     }
-    let stored = try await metadata.commitAll(account: account, container: container.rawValue, writes: writes)
+    // Nothing to write and records found (so the container exists): no transaction. An empty
+    // commit checks that the container exists.
+    let stored =
+      writes.isEmpty && !current.isEmpty
+      ? ItemBatchResults(committed: [], refused: nil)
+      : try await metadata.commitAll(account: account, container: container.rawValue, writes: writes)
     var committed: [CloudItem] = []
     for step in steps {
       switch step {
@@ -312,7 +316,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
 
   /// The tombstone that replaces `item` when `deviceID` deletes it: no content and no extended
   /// attributes (its conflict versions are kept).
-  func tombstone(of item: CloudItem, by deviceID: String) -> CloudItem {
+  static func tombstone(of item: CloudItem, by deviceID: String) -> CloudItem {
     var tombstone = item
     tombstone.deleted = true
     tombstone.chunks = []

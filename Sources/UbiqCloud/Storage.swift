@@ -71,9 +71,9 @@ public protocol MetadataStore: Sendable {
   func setQuota(account: String, bytes: Int64) async throws
 }
 
-/// One page of a container's change feed with each record's JSON as the store holds it (written
-/// by `RecordJSON`, read back by `JSONDecoder` as a `CloudItem`): the server sends it without
-/// decoding and encoding each record again.
+/// One page of a container's change feed with each record's JSON as the store holds it (the
+/// `CloudItem` JSON that `RecordJSON` or `JSONEncoder` wrote, which `JSONDecoder` reads back):
+/// the server sends it without decoding and encoding each record again.
 public struct StoredChangePage: Sendable {
   public var records: [Data]
   /// Pass this as `since` to continue.

@@ -80,9 +80,8 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
 
   public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     try await batch(
-      containerPath(container) + "/items", query: [], body: ItemPut.batchJSON(puts), count: puts.count,
-      what: "stored versions"
-    ) { try await putItemsOneByOne(container, puts) }
+      containerPath(container) + "/items", query: [], body: ItemPut.batchJSON(puts), sent: puts.map(\.item.itemID),
+      what: "stored versions", oneByOne: { try await putItemsOneByOne(container, puts) })
   }
 
   public func deleteItems(_ container: ContainerID, _ deletes: [ItemDelete], deviceID: String) async throws
@@ -90,17 +89,19 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
   {
     try await batch(
       containerPath(container) + "/deletes", query: [("device", deviceID)], body: ItemDelete.batchJSON(deletes),
-      count: deletes.count, what: "deletes done"
-    ) { try await deleteItemsOneByOne(container, deletes, deviceID: deviceID) }
+      sent: deletes.map(\.itemID), what: "deletes done", tombstones: true,
+      oneByOne: { try await deleteItemsOneByOne(container, deletes, deviceID: deviceID) })
   }
 
-  /// Sends a batch of `count` versions or deletes and checks its answer: the records of the
-  /// ones done, then the refusal if one was refused. A server without batches answers 404; it
-  /// (or one that lacks the container, which a single request then says) gets them one by one.
+  /// Sends a batch of versions or deletes of the items `sent` and checks its answer: the
+  /// records of the ones done, in order (tombstones for deletes), then the refusal if one was
+  /// refused. A server without batches answers 404; it (or one that lacks the container, which a
+  /// single request then says) gets them one by one.
   private func batch(
-    _ path: String, query: [(String, String)], body: Data, count: Int, what: String,
+    _ path: String, query: [(String, String)], body: Data, sent: [String], what: String, tombstones: Bool = false,
     oneByOne: () async throws -> ItemBatchResults
   ) async throws -> ItemBatchResults {
+    let count = sent.count
     if lock.withLock({ unbatched.contains(path) }) { return try await oneByOne() }
     let r: (status: Int, headers: HTTPHeaders, body: Data)
     do {
@@ -113,6 +114,10 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     let answer = try api.json(BatchResponse.self, r.body)
     guard answer.refused == nil ? answer.committed.count == count : answer.committed.count < count else {
       throw CloudError.unavailable("the server answered \(answer.committed.count) \(what) to a batch of \(count)")
+    }
+    for (record, itemID) in zip(answer.committed, sent)
+    where record.itemID != itemID || (tombstones && !record.deleted) {
+      throw CloudError.unavailable("the server answered a record of \(record.itemID) for \(itemID) in a batch")
     }
     var refused: CloudError?
     if let body = answer.refused {

@@ -171,6 +171,16 @@ public final class UploadWorker: @unchecked Sendable {
     var gatheredBytes = 0
     var deletes: [GatheredDelete] = []
     defer { for task in preparing.values { task.cancel() } }
+    /// Whether the worker was stopped or paused (a record failed): the preparations in flight
+    /// are then cancelled and awaited, and the rest of the page waits.
+    func interrupted() async -> Bool {
+      guard takeKick().stopped || pauseLeftNs() != nil else { return false }
+      for t in preparing.values {
+        t.cancel()
+        _ = try? await t.value
+      }
+      return true
+    }
     do {
       // A commit may reach the cloud and a power loss take its record from the index: what may
       // be sent is marked durably first, so a later delete of such an item asks the cloud.
@@ -195,20 +205,17 @@ public final class UploadWorker: @unchecked Sendable {
         }
         launched += 1
       }
-      if takeKick().stopped || pauseLeftNs() != nil {
-        for t in preparing.values {
-          t.cancel()
-          _ = try? await t.value
-        }
-        return (lock.withLock { stopped }, i)
-      }
+      if await interrupted() { return (lock.withLock { stopped }, i) }
       let task = preparing.removeValue(forKey: i)
       if let delete = Self.plainDelete(due[i]) {
         await commitTogether(&gathered)
         deletes.append(GatheredDelete(entry: due[i], delete: delete))
         continue
       }
+      // The deletes gathered before this entry go first; when their record failed, the worker
+      // pauses and this entry waits with the rest of the page.
       await deleteTogether(&deletes)
+      if await interrupted() { return (lock.withLock { stopped }, i) }
       if let inode = due[i].item, let task {
         // A big upload still being sent: what was gathered before it need not wait for it.
         if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
@@ -224,6 +231,7 @@ public final class UploadWorker: @unchecked Sendable {
         }
       }
       await commitTogether(&gathered)
+      if await interrupted() { return (lock.withLock { stopped }, i) }
       await process(due[i], prepared: task)
     }
     await commitTogether(&gathered)
@@ -262,8 +270,9 @@ public final class UploadWorker: @unchecked Sendable {
       let results: ItemBatchResults
       do {
         results = try await cloud.deleteItems(container, next.map(\.delete), deviceID: deviceID)
-      } catch CloudError.invalid {
-        // The request as a whole was refused: one by one, each entry gets its own answer.
+      } catch CloudError.invalid, CloudError.notFound {
+        // The request as a whole was refused (its body, or a container the cloud does not
+        // know): one by one, each entry gets its own answer.
         for gatheredDelete in next { await process(gatheredDelete.entry, prepared: nil) }
         pending = pending.dropFirst(next.count)
         continue
@@ -275,9 +284,11 @@ public final class UploadWorker: @unchecked Sendable {
       }
       let done = next.prefix(results.committed.count)
       do {
-        try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID) })
-        recorded(true)
-        log.debug("deleted \(done.count) items together")
+        if !done.isEmpty {
+          try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID) })
+          recorded(true)
+          log.debug("deleted \(done.count) items together")
+        }
       } catch {
         // The deletes stay queued; sent again, they find their tombstones.
         log.error("upload queue: cannot record \(done.count) deletes: \(error)")

@@ -59,6 +59,32 @@ import UbiqCore
     }
   }
 
+  /// A batch of deletes that the cloud carried out but whose reply was lost: sent again, each
+  /// delete finds its tombstone and writes nothing, and the queue empties.
+  @Test func aBatchOfDeletesWhoseReplyWasLostIsDoneOnce() async throws {
+    try await onOwnThread {
+      let (counted, a, b) = try twoDevices()
+      let engine = try #require(counted.inner as? CloudEngine)
+      for i in 0..<40 { try a.writeFile("g\(i)", Data()) }
+      try a.drainUploads()
+      try b.pull()
+      for i in 0..<40 { try a.core.unlink(parent: a.documents, name: "g\(i)") }
+      let before = try runBlocking { try await engine.lastChange(a.container) }
+      counted.repliesToLose = 1
+      try a.drainUploadsOnce()
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 64).count == 40, "the 40 deletes stay queued")
+      try checkThat(try runBlocking { try await engine.lastChange(a.container) } == before + 40, "the batch was done")
+      let requests = counted.deleteRequests
+      try a.drainUploads()
+      try checkThat(counted.deleteRequests - requests <= 2, "sent again in one request")
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "a's queue is empty")
+      try checkThat(
+        try runBlocking { try await engine.lastChange(a.container) } == before + 40, "each delete was written once")
+      try b.pull()
+      for i in 0..<40 { try checkThat(try b.inode("g\(i)") == nil, "g\(i) is gone on b") }
+    }
+  }
+
   /// A hundred new items reach the cloud in a few requests, not one each; a version the cloud
   /// refuses in the middle of a batch (based on a stale etag) is merged on its own, and the
   /// versions after it are still sent together.
