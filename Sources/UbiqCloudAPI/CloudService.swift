@@ -96,9 +96,7 @@ public struct ItemPut: Codable, Sendable {
   /// The body of a batch request, `{"puts": [{"item", "ifMatch"}]}`, with the records written
   /// by `RecordJSON`.
   public static func batchJSON(_ puts: [ItemPut]) -> Data {
-    var out: [UInt8] = Array(#"{"puts":"#.utf8)
-    out.reserveCapacity(400 * puts.count + 16)
-    RecordJSON.writeArray(puts, into: &out) { put, out in
+    RecordJSON.object(key: "puts", array: puts, bytesEach: 400) { put, out in
       out.append(contentsOf: #"{"item":"#.utf8)
       RecordJSON.write(put.item, into: &out)
       if let etag = put.ifMatch {
@@ -107,8 +105,6 @@ public struct ItemPut: Codable, Sendable {
       }
       out.append(UInt8(ascii: "}"))
     }
-    out.append(UInt8(ascii: "}"))
-    return Data(out)
   }
 }
 
@@ -126,17 +122,13 @@ public struct ItemDelete: Codable, Sendable, Equatable {
 
   /// The body of a batch request, `{"deletes": [{"itemID", "ifMatch"}]}`.
   public static func batchJSON(_ deletes: [ItemDelete]) -> Data {
-    var out: [UInt8] = Array(#"{"deletes":"#.utf8)
-    out.reserveCapacity(80 * deletes.count + 16)
-    RecordJSON.writeArray(deletes, into: &out) { delete, out in
+    RecordJSON.object(key: "deletes", array: deletes, bytesEach: 80) { delete, out in
       out.append(contentsOf: #"{"itemID":"#.utf8)
       RecordJSON.writeString(delete.itemID, into: &out)
       out.append(contentsOf: #","ifMatch":"#.utf8)
       RecordJSON.writeString(delete.ifMatch, into: &out)
       out.append(UInt8(ascii: "}"))
     }
-    out.append(UInt8(ascii: "}"))
-    return Data(out)
   }
 }
 

@@ -39,6 +39,18 @@ public enum RecordJSON {
     out.append(UInt8(ascii: "]"))
   }
 
+  /// The JSON object `{"<key>": [...]}` (`key` needs no escaping), each element of the array
+  /// written by `element`; `bytesEach` is a guess of an element's size, to reserve space once.
+  public static func object<T>(
+    key: String, array elements: [T], bytesEach: Int, _ element: (T, inout [UInt8]) -> Void
+  ) -> Data {
+    var out: [UInt8] = Array("{\"\(key)\":".utf8)
+    out.reserveCapacity(bytesEach * elements.count + key.utf8.count + 8)
+    writeArray(elements, into: &out, element)
+    out.append(UInt8(ascii: "}"))
+    return Data(out)
+  }
+
   /// Appends the record's JSON object to `out`.
   public static func write(_ item: CloudItem, into out: inout [UInt8]) {
     out.append(UInt8(ascii: "{"))
