@@ -191,7 +191,6 @@ extension CloudService {
     }
     return ItemBatchResults(committed: committed, refused: nil)
   }
-
 }
 
 /// Failures specific to the cloud protocol.
