@@ -108,13 +108,10 @@ public struct StoredChangePage: Sendable {
   /// The page as the change feed's JSON answer, `{"items": [...], "token": N, "hasMore": bool}`,
   /// with the records as stored.
   public func json() -> Data {
-    var out: [UInt8] = Array(#"{"items":["#.utf8)
+    var out: [UInt8] = Array(#"{"items":"#.utf8)
     out.reserveCapacity(records.reduce(64) { $0 + $1.count + 1 })
-    for (i, record) in records.enumerated() {
-      if i > 0 { out.append(UInt8(ascii: ",")) }
-      out.append(contentsOf: record)
-    }
-    out.append(contentsOf: #"],"token":\#(token),"hasMore":\#(hasMore)}"#.utf8)
+    RecordJSON.writeArray(records, into: &out) { record, out in out.append(contentsOf: record) }
+    out.append(contentsOf: #","token":\#(token),"hasMore":\#(hasMore)}"#.utf8)
     return Data(out)
   }
 }
