@@ -22,6 +22,8 @@ let package = Package(
     .package(url: "https://github.com/apple/swift-nio", from: "2.101.0"),
     .package(url: "https://github.com/apple/swift-nio-ssl", from: "2.37.0"),
     .package(url: "https://github.com/x-sheep/swift-property-based", from: "2.0.1"),
+    // Tests: a clock that moves only when a test moves it.
+    .package(url: "https://github.com/pointfreeco/swift-clocks", from: "1.1.1"),
   ],
   targets: [
     .systemLibrary(name: "CFuse3", pkgConfig: "fuse3", providers: [.apt(["libfuse3-dev"])]),
@@ -139,6 +141,7 @@ let package = Package(
         .product(name: "Logging", package: "swift-log"),
         .product(name: "Hummingbird", package: "hummingbird"),
         .product(name: "PropertyBased", package: "swift-property-based"),
+        .product(name: "Clocks", package: "swift-clocks"),
       ]),
     .testTarget(
       name: "UbiqDaemonTests", dependencies: ["UbiqCore", "UbiqCloudAPI", "UbiqCloud", "UbiqIndex", "UbiqDaemon"]),

@@ -164,6 +164,18 @@ public struct WallClock: Sendable {
   public static let system = WallClock { Clock.nowNs() }
 }
 
+/// Where new identifiers come from (a device's id, an item's id, a conflict version's id):
+/// random UUIDs in the product; a sequence of the simulation's own in tests, so that one seed
+/// replays one run.
+public struct IdentifierSource: Sendable {
+  private let make: @Sendable () -> String
+  /// `make` returns a new lowercase UUID-shaped identifier at each call.
+  public init(_ make: @escaping @Sendable () -> String) { self.make = make }
+  /// A new identifier, lowercase and shaped as a UUID.
+  public func next() -> String { make() }
+  public static let random = IdentifierSource { UUID().uuidString.lowercased() }
+}
+
 /// Wall-clock helpers in nanoseconds since the Unix epoch (the unit the index stores).
 public enum Clock {
   public static func nowNs() -> Int64 {

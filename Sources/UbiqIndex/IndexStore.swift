@@ -17,13 +17,16 @@ public final class IndexStore: @unchecked Sendable {
   public var uploadDelayNs: Int64 = 1_000_000_000
   /// The time every change recorded here is stamped with, and queue due times are counted in.
   public let clock: WallClock
+  /// Where the ids of this device, of new items and of conflict versions come from.
+  public let identifiers: IdentifierSource
 
   /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
   public init(
-    path: String, readOnly: Bool = false, clock: WallClock = .system,
+    path: String, readOnly: Bool = false, clock: WallClock = .system, identifiers: IdentifierSource = .random,
     statementObserver: (@Sendable (String) -> Void)? = nil
   ) throws {
     self.clock = clock
+    self.identifiers = identifiers
     var config = Configuration()
     config.busyMode = .timeout(10)
     config.readonly = readOnly
@@ -160,7 +163,7 @@ public final class IndexStore: @unchecked Sendable {
   /// This device's stable identifier, created on first use.
   public func deviceID() throws -> String {
     if let d = try meta("deviceID") { return d }
-    let d = UUID().uuidString.lowercased()
+    let d = identifiers.next()
     try setMeta("deviceID", d)
     return d
   }
@@ -340,7 +343,7 @@ public final class IndexStore: @unchecked Sendable {
       if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
       let now = self.clock.nowNs()
       var row = ItemRow(
-        itemID: UUID().uuidString.lowercased(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,
+        itemID: identifiers.next(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,
         size: Int64(symlinkTarget?.utf8.count ?? 0), mtimeNs: now, symlinkTarget: symlinkTarget)
       row.revision = 1
       try row.insert(db)
@@ -474,7 +477,7 @@ public final class IndexStore: @unchecked Sendable {
         try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
         try db.execute(
           sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?",
-          arguments: [UUID().uuidString.lowercased(), cur])
+          arguments: [identifiers.next(), cur])
         try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [cur])
       }
       stack += try Int64.fetchAll(db.cached("SELECT id FROM items WHERE parent = ?"), arguments: [cur])

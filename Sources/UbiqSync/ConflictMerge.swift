@@ -28,7 +28,11 @@ public enum ConflictMerge {
     return out
   }
 
-  public static func merge(local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String) -> CloudItem {
+  /// The merged record. `newVersionID` names this device's content if it loses and is kept as
+  /// a conflict version (a fresh identifier; unused otherwise).
+  public static func merge(
+    local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String, newVersionID: String
+  ) -> CloudItem {
     // Edited here, deleted there: the edit wins and brings the item back.
     if server.deleted {
       var out = local
@@ -66,7 +70,7 @@ public enum ConflictMerge {
         if !ownStale && !conflicts.contains(where: { $0.chunks == loser.chunks }) {
           conflicts.append(
             ConflictVersion(
-              versionID: localWins ? "v\(server.etag)" : "v-\(UUID().uuidString.lowercased().prefix(12))",
+              versionID: localWins ? "v\(server.etag)" : "v-\(newVersionID.prefix(12))",
               deviceID: localWins ? server.contentAuthor : deviceID, mtimeNs: loser.mtimeNs, size: loser.size,
               chunks: loser.chunks))
         }

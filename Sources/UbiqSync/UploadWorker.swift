@@ -53,6 +53,11 @@ public final class UploadWorker: @unchecked Sendable {
   /// Commits still happen in queue order (in batches, `drain`), so a parent always reaches the
   /// cloud before its children and a rename before a create that reuses the old name.
   public var parallelUploads = 6
+  /// What the page's short waits are measured by (how long versions gathered for a batch wait
+  /// for an upload still being prepared). `_Concurrency.Clock`: `Clock` here is UbiqCore's wall
+  /// clock. A simulation sets a clock that moves only when it says, so that how a page is cut
+  /// into requests never depends on the machine's speed.
+  public var waitClock: any _Concurrency.Clock<Duration> = ContinuousClock()
 
   /// Progress of the uploads in flight (empty when idle), by path.
   public var inFlight: [UploadProgress] {
@@ -218,7 +223,9 @@ public final class UploadWorker: @unchecked Sendable {
       if await interrupted() { return (lock.withLock { stopped }, i) }
       if let inode = due[i].item, let task {
         // A big upload still being sent: what was gathered before it need not wait for it.
-        if !gathered.isEmpty, !(await prepared.waitFor(i, upToNs: 50_000_000)) { await commitTogether(&gathered) }
+        if !gathered.isEmpty, !(await prepared.waitFor(i, upTo: .milliseconds(50), on: waitClock)) {
+          await commitTogether(&gathered)
+        }
         if let ready = await gatherable(due[i], inode, task) {
           // What is gathered stays within a few requests' worth of JSON (`commitTogether` cuts
           // it into requests within the server's body limit).
@@ -329,9 +336,9 @@ public final class UploadWorker: @unchecked Sendable {
 
     func contains(_ i: Int) -> Bool { lock.withLock { done.contains(i) } }
 
-    /// Whether entry `i`'s preparation has finished, or does within `upToNs`. One wait at a
-    /// time (the page's loop is the only caller).
-    func waitFor(_ i: Int, upToNs: UInt64) async -> Bool {
+    /// Whether entry `i`'s preparation has finished, or does within `limit` on `clock`. One
+    /// wait at a time (the page's loop is the only caller).
+    func waitFor(_ i: Int, upTo limit: Duration, on clock: any _Concurrency.Clock<Duration>) async -> Bool {
       if contains(i) { return true }
       await withCheckedContinuation { (c: CheckedContinuation<Void, Never>) in
         let registered = lock.withLock {
@@ -341,7 +348,7 @@ public final class UploadWorker: @unchecked Sendable {
         }
         guard registered else { return c.resume() }
         let timer = Task {
-          do { try await Task.sleep(nanoseconds: upToNs) } catch { return }
+          do { try await clock.sleep(for: limit) } catch { return }
           self.timeOut(i)
         }
         let stillWaiting = lock.withLock {
@@ -757,7 +764,9 @@ public final class UploadWorker: @unchecked Sendable {
         // A merge needs the local content: the move waits with it for the writer's flush.
         if p.placeOnly { throw Postpone(ns: 500_000_000) }
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
-        item = ConflictMerge.merge(local: local, base: row.baseItem, server: current, deviceID: deviceID)
+        item = ConflictMerge.merge(
+          local: local, base: row.baseItem, server: current, deviceID: deviceID,
+          newVersionID: index.identifiers.next())
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
         if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }

@@ -197,8 +197,8 @@ import UbiqCore
       try runBlocking {
         let set = UploadWorker.PreparedSet()
         set.insert(0)
-        #expect(await set.waitFor(0, upToNs: 1_000_000_000))
-        #expect(!(await set.waitFor(1, upToNs: 2_000_000)))
+        #expect(await set.waitFor(0, upTo: .seconds(1), on: ContinuousClock()))
+        #expect(!(await set.waitFor(1, upTo: .milliseconds(2), on: ContinuousClock())))
         // Inserted from elsewhere while the wait is in progress, at every moment around the
         // registration and around the timer's end.
         for i in 2..<2_000 {
@@ -207,7 +207,7 @@ import UbiqCore
             if delayNs > 0 { try? await Task.sleep(nanoseconds: delayNs) }
             set.insert(i)
           }
-          let seen = await set.waitFor(i, upToNs: UInt64(i % 5) * 300_000)
+          let seen = await set.waitFor(i, upTo: .microseconds(i % 5 * 300), on: ContinuousClock())
           // True only for an entry inserted by then.
           if seen { #expect(set.contains(i)) }
           await inserter.value
@@ -217,7 +217,7 @@ import UbiqCore
           try? await Task.sleep(nanoseconds: 20_000_000)
           set.insert(5_000)
         }
-        #expect(await set.waitFor(5_000, upToNs: 60_000_000_000))
+        #expect(await set.waitFor(5_000, upTo: .seconds(60), on: ContinuousClock()))
         await late.value
       }
     }

@@ -1,4 +1,5 @@
 import Foundation
+import PropertyBased
 import Testing
 import UbiqCore
 
@@ -7,6 +8,9 @@ import UbiqCore
 /// The three-way merge after a stale-etag rejection, when a merge this device committed comes
 /// back to it as the cloud's version (its reply was lost).
 @Suite struct ConflictMergeTests {
+  /// The id a losing local version is kept under.
+  static let versionID = "c0ffee00-0000-4000-8000-000000000000"
+
   static func file(_ content: String, mtimeNs: Int64, by device: String, etag: String = "") -> CloudItem {
     let chunk = ChunkRef(hash: Chunker.sha256Hex(Data(content.utf8)), length: Int64(content.utf8.count))
     var item = CloudItem(
@@ -21,7 +25,8 @@ import UbiqCore
   @Test func aMergeThatKeptAnotherDevicesContentIsNotMistakenForThisDevicesOwnUpload() {
     let theirs = Self.file("theirs", mtimeNs: 20, by: "device-b", etag: "4")
     let mine = Self.file("mine", mtimeNs: 10, by: "device-a")
-    var committed = ConflictMerge.merge(local: mine, base: nil, server: theirs, deviceID: "device-a")
+    var committed = ConflictMerge.merge(
+      local: mine, base: nil, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(committed.chunks == theirs.chunks, "the newer content wins")
     #expect(committed.deviceID == "device-a")
     #expect(committed.contentAuthor == "device-b")
@@ -30,7 +35,8 @@ import UbiqCore
 
     // The reply was lost; device a saves again (newer) and retries with no base.
     let saved = Self.file("mine, saved again", mtimeNs: 30, by: "device-a")
-    let next = ConflictMerge.merge(local: saved, base: nil, server: committed, deviceID: "device-a")
+    let next = ConflictMerge.merge(
+      local: saved, base: nil, server: committed, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(next.chunks == saved.chunks)
     #expect(next.contentAuthor == "device-a")
     let kept = next.conflicts ?? []
@@ -43,10 +49,84 @@ import UbiqCore
     let base = Self.file("base", mtimeNs: 1, by: "device-a", etag: "3")
     let theirs = Self.file("theirs", mtimeNs: 20, by: "device-b", etag: "4")
     let mine = Self.file("mine", mtimeNs: 10, by: "device-a")
-    var committed = ConflictMerge.merge(local: mine, base: base, server: theirs, deviceID: "device-a")
+    var committed = ConflictMerge.merge(
+      local: mine, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
     committed.etag = "5"
-    let retried = ConflictMerge.merge(local: mine, base: base, server: committed, deviceID: "device-a")
+    let retried = ConflictMerge.merge(
+      local: mine, base: base, server: committed, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(retried.chunks == theirs.chunks)
     #expect(retried.conflicts?.count == 1)
+  }
+
+  /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed
+  /// or chmodded the item, its mtime (small, so that they tie) and its device.
+  struct Side: Sendable, CustomStringConvertible {
+    var content: Int
+    var renamed: Bool
+    var chmodded: Bool
+    var mtimeNs: Int64
+    var device: String
+    var description: String {
+      "content \(content) renamed \(renamed) chmod \(chmodded) mtime \(mtimeNs) by \(device)"
+    }
+
+    /// The item as this side left it, from `base`.
+    func item(from base: CloudItem, etag: String) -> CloudItem {
+      var item = ConflictMergeTests.file(
+        content == 0 ? "base" : "content \(content) of \(device)", mtimeNs: content == 0 ? base.mtimeNs : mtimeNs,
+        by: device, etag: etag)
+      item.name = renamed ? "renamed by \(device)" : base.name
+      item.mode = chmodded ? 0o600 : base.mode
+      return item
+    }
+  }
+
+  static let sides = zip(Gen.int(in: 0...2), Gen.bool, Gen.bool, Gen.int64(in: 1...3), Gen.bool).map {
+    Side(content: $0, renamed: $1, chmodded: $2, mtimeNs: $3, device: $4 ? "device-a" : "device-b")
+  }
+
+  /// The merge on generated concurrent changes of one file, CanopyCheck-style. Whichever of
+  /// the two devices reached the cloud first (the other one merges): the same content is
+  /// current afterwards, nothing either side wrote since the base is dropped (it is current or
+  /// a conflict version), a place or a mode only one side changed is that side's, and a merge
+  /// sent again after its reply was lost keeps nothing twice.
+  @Test func bothOrdersOfTwoConcurrentChangesGiveTheSameFileAndDropNothing() async {
+    let cases = Int(ProcessInfo.processInfo.environment["UBIQ_PLANNER_CASES"] ?? "") ?? 20_000
+    // Two devices: the same device id on both sides would be one device racing itself.
+    let pairs = zip(Self.sides, Self.sides).map { x, y in
+      var y = y
+      y.device = x.device == "device-a" ? "device-b" : "device-a"
+      return (x, y)
+    }
+    await propertyCheck(count: cases, input: pairs) { x, y in
+      let base = Self.file("base", mtimeNs: 0, by: "device-c", etag: "1")
+      let (a, b) = (x.item(from: base, etag: "2"), y.item(from: base, etag: "2"))
+      // x's change reached the cloud first and y merges, or the other way round.
+      let yMerges = ConflictMerge.merge(
+        local: b, base: base, server: a, deviceID: y.device, newVersionID: Self.versionID)
+      let xMerges = ConflictMerge.merge(
+        local: a, base: base, server: b, deviceID: x.device, newVersionID: Self.versionID)
+      #expect(yMerges.chunks == xMerges.chunks, "the orders disagree on the content: \(x) / \(y)")
+      for (merged, side) in [(yMerges, "y merges"), (xMerges, "x merges")] {
+        let kept = [merged.chunks] + (merged.conflicts ?? []).map(\.chunks)
+        for (item, change) in [(a, x), (b, y)] where change.content != 0 {
+          #expect(kept.contains(item.chunks), "\(side): \(change.device)'s content is dropped: \(x) / \(y)")
+        }
+        for (item, change, other) in [(a, x, y), (b, y, x)] {
+          if change.renamed && !other.renamed { #expect(merged.name == item.name, "\(side): a rename is lost") }
+          if change.chmodded && !other.chmodded { #expect(merged.mode == item.mode, "\(side): a chmod is lost") }
+        }
+        if x.content == 0 && y.content == 0 { #expect(merged.chunks == base.chunks && merged.conflicts == nil) }
+      }
+      // y's merge was committed but its reply lost: sent again over it, it changes nothing.
+      var committed = yMerges
+      committed.etag = "3"
+      let again = ConflictMerge.merge(
+        local: b, base: base, server: committed, deviceID: y.device, newVersionID: Self.versionID)
+      #expect(again.chunks == committed.chunks, "a resent merge changes the content: \(x) / \(y)")
+      #expect(
+        (again.conflicts ?? []).count == (committed.conflicts ?? []).count,
+        "a resent merge keeps a version twice: \(x) / \(y)")
+    }
   }
 }

@@ -30,6 +30,10 @@ final class CoreWorld: @unchecked Sendable {
   let statementObserver: (@Sendable (String) -> Void)?
   /// The device's wall clock (mtimes, when queued uploads are due).
   let clock: WallClock
+  /// Where the device's index takes new ids from.
+  let identifiers: IdentifierSource
+  /// What the uploader's short waits are measured by.
+  let waitClock: any _Concurrency.Clock<Duration>
   /// The drains below take only the entries due by `clock` (a failed upload waits out its
   /// backoff); otherwise every queued entry is due.
   var uploadsWaitForBackoff = false
@@ -37,10 +41,13 @@ final class CoreWorld: @unchecked Sendable {
   /// `cloud`: the cloud this device syncs with (default: a new embedded engine of its own).
   init(
     cloud: CloudService? = nil, cloudDirectory: URL? = nil, clock: WallClock = .system,
+    identifiers: IdentifierSource = .random, waitClock: any _Concurrency.Clock<Duration> = ContinuousClock(),
     statementObserver: (@Sendable (String) -> Void)? = nil
   ) throws {
     self.statementObserver = statementObserver
     self.clock = clock
+    self.identifiers = identifiers
+    self.waitClock = waitClock
     root = Self.temporaryFolder("ubiq-core")
     try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
     var log = Logger(label: "core-test")
@@ -78,7 +85,8 @@ final class CoreWorld: @unchecked Sendable {
     let state = root.appendingPathComponent("state")
     try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
     let index = try IndexStore(
-      path: state.appendingPathComponent("index.sqlite").path, clock: clock, statementObserver: statementObserver)
+      path: state.appendingPathComponent("index.sqlite").path, clock: clock, identifiers: identifiers,
+      statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
     for id in [WellKnownItem.root, WellKnownItem.documents] {
@@ -107,6 +115,7 @@ final class CoreWorld: @unchecked Sendable {
     puller.onApplied = { core.remoteChangesApplied($0) }
     puller.downloader = downloader
     worker.downloader = downloader
+    worker.waitClock = waitClock
     core.fetchPinnedFiles()
     core.isUploading = { [worker] in worker?.isUploading($0) ?? false }
     self.index = index

@@ -1,3 +1,4 @@
+import Clocks
 import Foundation
 import PropertyBased
 import Testing
@@ -121,7 +122,14 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
   private var lostRepliesLeft = 0
 
-  private func write<T>(_ body: () async throws -> T) async throws -> T {
+  /// Every request sent, in order, with what it carried and its fate: one sequence of steps
+  /// run twice sends the same (`SyncSimulation.trace`).
+  var trace: [String] { lock.withLock { sent } }
+  private var sent: [String] = []
+  private func note(_ line: String) { lock.withLock { sent.append(line) } }
+
+  /// Sends write `what` through its fate, noting both.
+  private func write<T>(_ what: String, _ body: () async throws -> T) async throws -> T {
     let n = lock.withLock {
       writesSent += 1
       return writesSent
@@ -131,15 +139,17 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       defer { lostRepliesLeft = max(0, lostRepliesLeft - 1) }
       return lostRepliesLeft > 0
     }
-    if loseReply {
-      _ = try await body()
-      throw CloudError.unavailable("simulated: reply lost")
+    let fate: WriteFate = loseReply ? .lostReply : Self.writeFate(nextFate())
+    do {
+      if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
+      let result = try await body()
+      if fate == .lostReply { throw CloudError.unavailable("simulated: reply lost") }
+      note("\(what): \(fate)")
+      return result
+    } catch {
+      note("\(what): \(fate), \(error)")
+      throw error
     }
-    let fate = Self.writeFate(nextFate())
-    if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
-    let result = try await body()
-    if fate == .lostReply { throw CloudError.unavailable("simulated: reply lost") }
-    return result
   }
 
   /// The names of every item version sent, in order.
@@ -155,20 +165,20 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       namesSent.append(item.name)
       itemRequestsSent += 1
     }
-    return try await write { try await inner.putItem(container, item, ifMatch: ifMatch) }
+    return try await write("put \(item.name)") { try await inner.putItem(container, item, ifMatch: ifMatch) }
   }
   func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     lock.withLock {
       namesSent += puts.map(\.item.name)
       itemRequestsSent += 1
     }
-    return try await write { try await inner.putItems(container, puts) }
+    return try await write("puts \(puts.map(\.item.name))") { try await inner.putItems(container, puts) }
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write {
+    return try await write("delete") {
       try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
     }
   }
@@ -180,7 +190,9 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     -> ItemBatchResults
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write { try await inner.deleteItems(container, deletes, deviceID: deviceID) }
+    return try await write("deletes \(deletes.count)") {
+      try await inner.deleteItems(container, deletes, deviceID: deviceID)
+    }
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
@@ -214,6 +226,20 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
     let r = nextFate()
+    do {
+      let batch = try await changes(container, since: since, limit: limit, fate: r)
+      note("changes since \(since): \(Self.pageFate(r)), \(batch.items.map(\.name)) to \(batch.token)")
+      return batch
+    } catch {
+      note("changes since \(since): \(Self.pageFate(r)), \(error)")
+      throw error
+    }
+  }
+
+  /// A page of the change feed as fate `r` delivers it.
+  private func changes(_ container: ContainerID, since: Int64, limit: Int, fate r: UInt64) async throws
+    -> ChangeBatch
+  {
     switch Self.pageFate(r) {
     case .lost:
       // The request or its reply: the same to the client.
@@ -344,12 +370,32 @@ final class SyncSimulation {
     for d in 0..<count {
       let link = FlakyCloud(try server?.device(of: "sim", named: "device-\(d)") ?? shared)
       links.append(link)
-      let device = try CoreWorld(cloud: link, clock: time.clock(device: d))
+      // Every source of chance is the run's own: the wall clock, the ids, and the clock of the
+      // uploader's waits, which never moves (a page waits for each upload being prepared).
+      let device = try CoreWorld(
+        cloud: link, clock: time.clock(device: d), identifiers: Self.identifiers(device: d), waitClock: TestClock())
       device.uploadsWaitForBackoff = true
       devices.append(device)
     }
     observed = Array(repeating: [], count: count)
     open = Array(repeating: [], count: count)
+  }
+
+  /// Device `d`'s ids, in the order it asks for them (so the same in every run of a sequence),
+  /// shaped as UUIDs and never the same as another device's.
+  static func identifiers(device d: Int) -> IdentifierSource {
+    final class Counter: @unchecked Sendable {
+      let lock = NSLock()
+      var last: UInt32 = 0
+      func next() -> UInt32 {
+        lock.withLock {
+          last += 1
+          return last
+        }
+      }
+    }
+    let counter = Counter()
+    return IdentifierSource { String(format: "%08x-%04x-4000-8000-000000000000", counter.next(), d) }
   }
 
   deinit {
@@ -764,6 +810,18 @@ final class SyncSimulation {
     }
     Self.stats["steps", default: 0] += step
     Self.stats["acknowledged writes checked", default: 0] += writes.filter { !$0.superseded }.count
+  }
+
+  /// What a run did, to compare two runs of one sequence: each device's requests with their
+  /// fates, then each device's tree and the cloud's.
+  func trace() throws -> [String] {
+    var lines: [String] = []
+    for d in links.indices { lines += links[d].trace.map { "device \(d) sent \($0)" } }
+    func listed(_ tree: [String: String], _ owner: String) -> [String] {
+      tree.keys.sorted().map { "\(owner) has \($0): \(tree[$0]!)" }
+    }
+    for d in devices.indices { lines += listed(try view(d).tree, "device \(d)") }
+    return lines + listed(try cloudTree().tree, "the cloud")
   }
 
   func diff(_ a: [String: String], _ b: [String: String]) -> String {
@@ -1333,6 +1391,45 @@ final class SyncSimulation {
       (0, "moveInto", "d/e", "d/d/e"),
     ],
   ]
+
+  /// One sequence of steps is one run: run twice, it sends the same requests with the same
+  /// fates, in the same order, and ends with the same trees. This is what makes a failing seed
+  /// a regression test. Nothing a device does concurrently (its uploader prepares uploads while
+  /// it commits earlier ones) and nothing drawn at random (device ids, item ids) may change
+  /// what is sent or what wins.
+  @Test func aSequenceRunTwiceIsTheSameRun() async {
+    let budget = Self.budget().share(cases: 1.0 / 10, seconds: 1.0 / 6, atLeast: 1)
+    print("replay: up to \(budget.cases) random sequences, each run twice, in \(budget.seconds) s")
+    await propertyCheck(count: budget.cases, input: Self.stepGenerator.array(of: 1...40)) { steps in
+      guard budget.startSequence() else { return }
+      await recordingThrownErrors(budget) {
+        try await onOwnThread {
+          let parting = try Self.partingOfTwoRuns(steps)
+          #expect(parting == nil, "\(parting ?? "")")
+        }
+      }
+    }
+    print("replay: \(budget.summary)")
+  }
+
+  /// Runs `steps` twice, each time on new devices and a new cloud: nil when the runs are the
+  /// same, else where they part.
+  static func partingOfTwoRuns(_ steps: [SyncStep]) throws -> String? {
+    var runs: [[String]] = []
+    for _ in 0..<2 {
+      let sim = try SyncSimulation(devices: 3)
+      for step in steps { try sim.run(step) }
+      try sim.finish()
+      runs.append(try sim.trace())
+    }
+    let (a, b) = (runs[0], runs[1])
+    guard a != b else { return nil }
+    let at = zip(a, b).enumerated().first { $0.element.0 != $0.element.1 }?.offset ?? min(a.count, b.count)
+    return """
+      the two runs part at line \(at + 1) of \(a.count) and \(b.count): \(at < a.count ? a[at] : "-") vs \
+      \(at < b.count ? b[at] : "-"); steps: \(steps.map(\.description))
+      """
+  }
 
   @Test func knownFolderSequences() async throws {
     for steps in Self.folderRegressions {
