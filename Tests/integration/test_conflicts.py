@@ -226,3 +226,44 @@ def test_crossed_moves_that_need_two_moves_undone_converge(pair):
         wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move everywhere on {u.root.name}: {tree(u)}")
         status = u.status()[0]
         assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
+
+
+@pytest.mark.parametrize("a_moves", [True, False], ids=["a-moves-b-deletes", "b-moves-a-deletes"])
+def test_a_move_beats_a_delete(pair, a_moves):
+    """One device moves a file into a folder while the other, which has not seen the move,
+    deletes it. A move is an edit of the file's place, and an edit beats a delete: whichever
+    reaches the cloud first, the file ends in its new place on both devices, with its bytes."""
+    a, b = pair
+    (a.docs / "sub").mkdir()
+    (a.docs / "m.txt").write_text("moved, not lost\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "m.txt").exists(), what="m.txt on b")
+    mover, deleter = (a, b) if a_moves else (b, a)
+    os.rename(mover.docs / "m.txt", mover.docs / "sub" / "m.txt")
+    os.unlink(deleter.docs / "m.txt")
+    settle(a, b, rounds=3)
+    want = {"sub": None, "sub/m.txt": b"moved, not lost\n"}
+    for u in (a, b):
+        wait_for(lambda: tree(u) == want, timeout=20, what=f"the moved file on {u.root.name}: {tree(u)}")
+        status = u.status()[0]
+        assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
+
+
+def test_two_files_renamed_to_one_name_are_both_kept(pair):
+    """Each device renames a different file to the same new name before it sees the other's
+    rename. Both files stay: the rename that reaches the cloud later gets "name 2", and both
+    devices agree which file has which name."""
+    a, b = pair
+    (a.docs / "x.txt").write_text("x\n")
+    (a.docs / "y.txt").write_text("y\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "y.txt").exists(), what="x and y on b")
+    os.rename(a.docs / "x.txt", a.docs / "final.txt")
+    os.rename(b.docs / "y.txt", b.docs / "final.txt")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: sorted(tree(u)) == ["final 2.txt", "final.txt"], timeout=20,
+                 what=f"two names on {u.root.name}: {tree(u)}")
+    assert tree(a) == tree(b)
+    assert sorted(tree(a).values()) == [b"x\n", b"y\n"]
+    assert a.item_id(a.docs / "final 2.txt") == b.item_id(b.docs / "final 2.txt")
