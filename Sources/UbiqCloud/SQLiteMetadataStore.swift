@@ -279,7 +279,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   ) throws -> CloudItem {
     let item = write.item
     let current = try Self.storedRecord(db, account, container, item.itemID)
-    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, itemID: item.itemID)
+    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, writing: item)
     let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
     var next = counters
     if let rule = write.rule {
@@ -745,15 +745,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
 /// The If-Match rule every metadata engine applies inside its commit transaction.
 public enum CommitRule {
-  /// A live item needs its current etag; a tombstone or a missing item needs no etag (or,
-  /// for a tombstone, its etag); an etag for an item that never existed is `notFound`.
-  public static func check(current: CloudItem?, ifMatch: String?, itemID: String) throws {
+  /// A live item needs its current etag, and so does a tombstone that a live version is to
+  /// replace: a version sent with no etag was made before the delete it meets (a first upload
+  /// retried after its reply was lost, or one the network held back and delivered after the
+  /// delete), and must not bring the item back unseen; the client that meant it merges and
+  /// sends it again with the tombstone's etag. A delete of a tombstone needs no etag (or its
+  /// own). A missing item needs none; an etag for an item that never existed is `notFound`.
+  public static func check(current: CloudItem?, ifMatch: String?, writing item: CloudItem) throws {
     if let current {
-      if ifMatch != current.etag && (!current.deleted || ifMatch != nil) {
+      let etagNeeded = !current.deleted || !item.deleted
+      if ifMatch != current.etag && (etagNeeded || ifMatch != nil) {
         throw CloudError.conflict(current: current)
       }
     } else if ifMatch != nil {
-      throw CloudError.notFound("item \(itemID)")
+      throw CloudError.notFound("item \(item.itemID)")
     }
   }
 }

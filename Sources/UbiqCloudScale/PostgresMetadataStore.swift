@@ -402,7 +402,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   {
     let item = write.item
     let current = try await storedRecord(conn, account, container, item.itemID)
-    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, itemID: item.itemID)
+    try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, writing: item)
     let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
     if let rule = write.rule {
       var tree = try await self.treeSnapshot(conn, account, container, item)

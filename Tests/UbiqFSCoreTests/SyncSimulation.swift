@@ -29,10 +29,11 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
+    "uploadDelayed",
   ]
-  /// How often each kind is drawn (out of 36); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 38); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
@@ -40,7 +41,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
     let name = Self.kinds[kind % Self.kinds.count]
     switch name {
     case "upload", "pull", "crash", "closeAll": return "\(device):\(name)"
-    case "uploadFlaky", "pullFlaky": return "\(device):\(name)(\(n))"
+    case "uploadFlaky", "pullFlaky", "uploadDelayed": return "\(device):\(name)(\(n))"
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
     default: return "\(device):\(name)(\(p))"
@@ -70,8 +71,11 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
 
   init(_ inner: CloudService) { self.inner = inner }
 
-  /// Faults for the next requests, deterministically from `seed`.
-  func injectFaults(seed: Int) {
+  /// Faults for the next requests, deterministically from `seed`. `delays`: a write may also be
+  /// held back by the network (the client times out) and reach the cloud a few steps later,
+  /// after anything the client sent meanwhile, a retry of it included.
+  func injectFaults(seed: Int, delays: Bool = false) {
+    lock.withLock { delaying = delays }
     var x = UInt64(truncatingIfNeeded: seed) &* 6_364_136_223_846_793_005 &+ 1_442_695_040_888_963_407
     var out: [UInt64] = []
     for _ in 0..<16 {
@@ -81,15 +85,46 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     lock.withLock { fates = out }
   }
 
-  func clearFaults() { lock.withLock { fates = [] } }
+  func clearFaults() {
+    lock.withLock {
+      fates = []
+      delaying = false
+    }
+  }
+
+  /// Whether the drawn faults include delays.
+  private var delaying = false
+  /// Writes the network holds back, each with the number of steps it still waits.
+  private var heldBack: [(steps: Int, what: String, send: @Sendable () async throws -> Void)] = []
+
+  /// A step of the simulation passed: the held-back writes whose time has come reach the cloud,
+  /// in the order they were sent (their replies go nowhere); `all`: every one of them.
+  func stepPassed(all: Bool = false) async {
+    let due = lock.withLock {
+      for i in heldBack.indices { heldBack[i].steps -= 1 }
+      let due = heldBack.filter { all || $0.steps <= 0 }
+      heldBack.removeAll { all || $0.steps <= 0 }
+      return due
+    }
+    SyncSimulation.stats["delayed writes", default: 0] += due.count
+    for write in due {
+      do {
+        try await write.send()
+        note("\(write.what): delayed, reached the cloud")
+      } catch {
+        note("\(write.what): delayed, refused by the cloud: \(error)")
+      }
+    }
+  }
 
   /// The next fate: 0 (no fault) once the drawn ones are used up.
   private func nextFate() -> UInt64 {
     lock.withLock { fates.isEmpty ? 0 : fates.removeFirst() }
   }
 
-  /// What happens to a write: it goes through, is lost before the cloud, or its reply is lost.
-  private enum WriteFate { case ok, lostRequest, lostReply }
+  /// What happens to a write: it goes through, is lost before the cloud, its reply is lost, or
+  /// it reaches the cloud later (and the client times out).
+  private enum WriteFate { case ok, lostRequest, lostReply, delayed }
   /// What happens to a page of the change feed.
   private enum PageFate { case ok, lost, shuffled, overlapping, lateDuplicate }
 
@@ -115,6 +150,13 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   var beforeWrite: ((Int) throws -> Void)?
   private var writesSent = 0
 
+  /// How many of the next writes the network holds back (until healing), before any drawn fate.
+  var writesToDelay: Int {
+    get { lock.withLock { delaysLeft } }
+    set { lock.withLock { delaysLeft = newValue } }
+  }
+  private var delaysLeft = 0
+
   /// How many of the next writes reach the cloud and lose their reply, before any drawn fate.
   var repliesToLose: Int {
     get { lock.withLock { lostRepliesLeft } }
@@ -129,7 +171,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   private func note(_ line: String) { lock.withLock { sent.append(line) } }
 
   /// Sends write `what` through its fate, noting both.
-  private func write<T>(_ what: String, _ body: () async throws -> T) async throws -> T {
+  private func write<T>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
     let n = lock.withLock {
       writesSent += 1
       return writesSent
@@ -139,9 +181,22 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       defer { lostRepliesLeft = max(0, lostRepliesLeft - 1) }
       return lostRepliesLeft > 0
     }
-    let fate: WriteFate = loseReply ? .lostReply : Self.writeFate(nextFate())
+    let delay = lock.withLock {
+      defer { delaysLeft = max(0, delaysLeft - 1) }
+      return delaysLeft > 0
+    }
+    // A fault set for the next writes takes the place of a drawn one.
+    let r = loseReply || delay ? 0 : nextFate()
+    var fate: WriteFate = loseReply ? .lostReply : Self.writeFate(r)
+    if fate == .lostRequest && lock.withLock({ delaying }) { fate = .delayed }
+    if delay { fate = .delayed }
     do {
       if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
+      if fate == .delayed {
+        let steps = delay ? Int.max : Int((r >> 8) % 4) + 1
+        lock.withLock { heldBack.append((steps, what, { _ = try await body() })) }
+        throw CloudError.unavailable("simulated: request timed out")
+      }
       let result = try await body()
       if fate == .lostReply { throw CloudError.unavailable("simulated: reply lost") }
       note("\(what): \(fate)")
@@ -165,20 +220,20 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       namesSent.append(item.name)
       itemRequestsSent += 1
     }
-    return try await write("put \(item.name)") { try await inner.putItem(container, item, ifMatch: ifMatch) }
+    return try await write("put \(item.name)") { [inner] in try await inner.putItem(container, item, ifMatch: ifMatch) }
   }
   func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     lock.withLock {
       namesSent += puts.map(\.item.name)
       itemRequestsSent += 1
     }
-    return try await write("puts \(puts.map(\.item.name))") { try await inner.putItems(container, puts) }
+    return try await write("puts \(puts.map(\.item.name))") { [inner] in try await inner.putItems(container, puts) }
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("delete") {
+    return try await write("delete") { [inner] in
       try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
     }
   }
@@ -190,7 +245,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     -> ItemBatchResults
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("deletes \(deletes.count)") {
+    return try await write("deletes \(deletes.count)") { [inner] in
       try await inner.deleteItems(container, deletes, deviceID: deviceID)
     }
   }
@@ -411,6 +466,7 @@ final class SyncSimulation {
   func run(_ s: SyncStep) throws {
     step += 1
     log.append(s.description)
+    for link in links { try runBlocking { await link.stepPassed() } }
     // 0 to 1.6 s pass before each step, drawn from the step (a shrunk step takes no time).
     time.advance(byNs: Int64((s.a + s.b + s.n) % 5) * 400_000_000)
     let d = s.device % devices.count
@@ -498,6 +554,10 @@ final class SyncSimulation {
       try upload(d)
     case "uploadFlaky":
       links[d].injectFaults(seed: s.n)
+      defer { links[d].clearFaults() }
+      try upload(d)
+    case "uploadDelayed":
+      links[d].injectFaults(seed: s.n, delays: true)
       defer { links[d].clearFaults() }
       try upload(d)
     case "pull", "pullFlaky":
@@ -674,7 +734,10 @@ final class SyncSimulation {
 
   /// Heals everything (no faults) and lets every device upload and pull until nothing moves.
   func quiesce() throws -> Bool {
-    for link in links { link.clearFaults() }
+    for link in links {
+      link.clearFaults()
+      try runBlocking { await link.stepPassed(all: true) }
+    }
     for d in devices.indices {
       closeAll(d)
     }
@@ -865,7 +928,7 @@ final class SyncSimulation {
   static let folderKinds: [Int] = {
     let weights = [
       "mkdirs": 4, "moveInto": 6, "rename": 2, "upload": 3, "pull": 3, "write": 2, "rmtree": 1, "crash": 1,
-      "uploadFlaky": 1,
+      "uploadFlaky": 1, "uploadDelayed": 1,
     ]
     return weights.keys.sorted().flatMap { name in
       Array(repeating: SyncStep.kinds.firstIndex(of: name)!, count: weights[name]!)
@@ -1329,6 +1392,37 @@ final class SyncSimulation {
       #expect(try w.readFile("f") == mine, "the local save keeps its name")
       #expect(try w.inode("f 2") != nil, "the stale record yields")
       #expect(try w.index.item(try #require(try w.inode("f 2")))!.itemID == stale.itemID)
+    }
+  }
+
+  /// A new file's first upload is held back by the network; the client times out and sends it
+  /// again, which works; then the file is deleted here. The first upload reaching the cloud
+  /// last must not bring the deleted file back on any device.
+  @Test func aLateFirstUploadDoesNotBringBackADeletedFile() async throws {
+    try await onOwnThread {
+      let sim = try SyncSimulation(devices: 2)
+      let step = { (device: Int, kind: String, path: String) in
+        SyncStep(
+          device: device, kind: SyncStep.kinds.firstIndex(of: kind)!, a: SyncStep.paths.firstIndex(of: path)!, b: 0,
+          n: 0)
+      }
+      try sim.run(step(0, "write", "f"))
+      sim.links[0].writesToDelay = 1
+      // Each upload after its backoff (steps drawn as 0 take no time).
+      for _ in 0..<2 {
+        sim.time.advance(byNs: 61_000_000_000)
+        try sim.run(step(0, "upload", "f"))
+      }
+      try sim.run(step(1, "pull", "f"))
+      #expect(try sim.devices[1].inode("f") != nil, "the retried upload arrived")
+      try sim.run(step(0, "unlink", "f"))
+      sim.time.advance(byNs: 61_000_000_000)
+      try sim.run(step(0, "upload", "f"))
+      #expect(try sim.cloudTree().tree["f"] == nil, "the delete reached the cloud")
+      // Healing delivers the held-back upload first.
+      try sim.finish()
+      #expect(try sim.cloudTree().tree["f"] == nil, "the deleted file is back in the cloud")
+      for d in sim.devices.indices { #expect(try sim.devices[d].inode("f") == nil, "f is back on device \(d)") }
     }
   }
 
