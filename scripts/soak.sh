@@ -7,7 +7,8 @@
 #                                   (default 1) have passed or a round fails.
 #   scripts/soak.sh sim [HOURS]     the multi-device sync simulation
 #                                   (Tests/UbiqFSCoreTests/SyncSimulation.swift), rounds of
-#                                   UBIQ_SIM_CASES sequences (default 1000).
+#                                   UBIQ_SIM_CASES sequences (default 1000), and the check that
+#                                   a sequence run twice is the same run.
 #                                   Both lift the time budget CI gives these tests (UBIQ_MODEL_SECONDS,
 #                                   UBIQ_SIM_SECONDS), so every round runs all its sequences.
 #   scripts/soak.sh durability [HOURS]
@@ -40,7 +41,7 @@ case "$what" in
     export UBIQ_MODEL_SECONDS="${UBIQ_MODEL_SECONDS:-1000000000}"
     ;;
   sim)
-    filter="devicesConvergeWithNothingLost|devicesConvergeOverHTTPWithNothingLost|foldersMovedIntoEachOther"
+    filter="devicesConvergeWithNothingLost|devicesConvergeOverHTTPWithNothingLost|foldersMovedIntoEachOther|aSequenceRunTwiceIsTheSameRun"
     cases_var=UBIQ_SIM_CASES default_cases=1000
     export UBIQ_SIM_SECONDS="${UBIQ_SIM_SECONDS:-1000000000}"
     ;;
