@@ -24,7 +24,8 @@ public protocol MetadataStore: Sendable {
   /// The current records (tombstones included) of those of `itemIDs` that exist, by item id.
   func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem]
   /// Stores `item` with a new change sequence number and etag if the current etag matches
-  /// `ifMatch` (nil: the item must not exist or be a tombstone). For a live `item`, `rule` is
+  /// `ifMatch` (`CommitRule`: nil for a new item, or to delete a tombstone again; a live version
+  /// over a tombstone needs the tombstone's etag). For a live `item`, `rule` is
   /// called with the item's `TreeSnapshot`, read in the same transaction, and its error aborts
   /// the write. Every hash in `chunks` (the chunks the record refers to) must be a live chunk of
   /// the account, else `CloudError.missingChunks`; the write marks them used, so a collection

@@ -645,8 +645,9 @@ public final class UploadWorker: @unchecked Sendable {
     var size = row.size
     lock.withLock { sending[inode] = UploadProgress(inode: inode, path: row.name, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
-    if row.kind == .file, row.content == .cached, inodes.dirtyHandleCount(inode) > 0, let base = row.baseItem,
-      !base.deleted, base.parentID != snap.parentItemID || base.name != row.name
+    if row.kind == .file, row.content == .cached, inodes.dirtyHandleCount(inode) > 0, row.etag != nil,
+      let base = row.baseItem, !base.deleted, base.itemID == row.itemID,
+      base.parentID != snap.parentItemID || base.name != row.name
     {
       // The content waits for the writer's flush, the rename need not: the cloud gets the move
       // now, so the name it frees is free for other items (a log rotated while it is written).

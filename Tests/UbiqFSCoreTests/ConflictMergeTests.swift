@@ -81,6 +81,16 @@ import UbiqCore
     }
   }
 
+  /// Generated cases per property (the planner's rules share the setting).
+  static let cases = Int(ProcessInfo.processInfo.environment["UBIQ_PLANNER_CASES"] ?? "") ?? 20_000
+
+  /// Two devices' changes: the same device id on both sides would be one device racing itself.
+  static let pairs = zip(sides, sides).map { x, y in
+    var y = y
+    y.device = x.device == "device-a" ? "device-b" : "device-a"
+    return (x, y)
+  }
+
   static let sides = zip(Gen.int(in: 0...2), Gen.bool, Gen.bool, Gen.int64(in: 1...3), Gen.bool).map {
     Side(content: $0, renamed: $1, chmodded: $2, mtimeNs: $3, device: $4 ? "device-a" : "device-b")
   }
@@ -91,14 +101,7 @@ import UbiqCore
   /// a conflict version), a place or a mode only one side changed is that side's, and a merge
   /// sent again after its reply was lost keeps nothing twice.
   @Test func bothOrdersOfTwoConcurrentChangesGiveTheSameFileAndDropNothing() async {
-    let cases = Int(ProcessInfo.processInfo.environment["UBIQ_PLANNER_CASES"] ?? "") ?? 20_000
-    // Two devices: the same device id on both sides would be one device racing itself.
-    let pairs = zip(Self.sides, Self.sides).map { x, y in
-      var y = y
-      y.device = x.device == "device-a" ? "device-b" : "device-a"
-      return (x, y)
-    }
-    await propertyCheck(count: cases, input: pairs) { x, y in
+    await propertyCheck(count: Self.cases, input: Self.pairs) { x, y in
       let base = Self.file("base", mtimeNs: 0, by: "device-c", etag: "1")
       let (a, b) = (x.item(from: base, etag: "2"), y.item(from: base, etag: "2"))
       // x's change reached the cloud first and y merges, or the other way round.
@@ -127,6 +130,33 @@ import UbiqCore
       #expect(
         (again.conflicts ?? []).count == (committed.conflicts ?? []).count,
         "a resent merge keeps a version twice: \(x) / \(y)")
+    }
+  }
+
+  /// The merge's other branches on the same generated changes. Over a tombstone (changed here,
+  /// deleted there) the local version is the item again, in its local place. With no base (the
+  /// local item never had a confirmed cloud version) nothing either side has is dropped and
+  /// both orders give the same content.
+  @Test func anEditOverADeleteOrWithoutABaseDropsNothing() async {
+    await propertyCheck(count: Self.cases, input: Self.pairs) { x, y in
+      let base = Self.file("base", mtimeNs: 0, by: "device-c", etag: "1")
+      let (a, b) = (x.item(from: base, etag: "2"), y.item(from: base, etag: "2"))
+      var tombstone = a
+      tombstone.deleted = true
+      tombstone.etag = "3"
+      let overDelete = ConflictMerge.merge(
+        local: b, base: base, server: tombstone, deviceID: y.device, newVersionID: Self.versionID)
+      #expect(!overDelete.deleted, "the delete wins over a change: \(x) / \(y)")
+      #expect(overDelete.chunks == b.chunks && overDelete.name == b.name && overDelete.parentID == b.parentID)
+      let yMerges = ConflictMerge.merge(
+        local: b, base: nil, server: a, deviceID: y.device, newVersionID: Self.versionID)
+      let xMerges = ConflictMerge.merge(
+        local: a, base: nil, server: b, deviceID: x.device, newVersionID: Self.versionID)
+      #expect(yMerges.chunks == xMerges.chunks, "with no base, the orders disagree: \(x) / \(y)")
+      for merged in [yMerges, xMerges] {
+        let kept = [merged.chunks] + (merged.conflicts ?? []).map(\.chunks)
+        #expect(kept.contains(a.chunks) && kept.contains(b.chunks), "with no base, a content is dropped: \(x) / \(y)")
+      }
     }
   }
 }

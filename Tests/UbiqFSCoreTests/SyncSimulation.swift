@@ -89,6 +89,8 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     lock.withLock {
       fates = []
       delaying = false
+      delaysLeft = 0
+      lostRepliesLeft = 0
     }
   }
 
@@ -220,20 +222,24 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       namesSent.append(item.name)
       itemRequestsSent += 1
     }
-    return try await write("put \(item.name)") { [inner] in try await inner.putItem(container, item, ifMatch: ifMatch) }
+    return try await write("put \(item.itemID) \(item.name) if-match \(ifMatch ?? "-")") { [inner] in
+      try await inner.putItem(container, item, ifMatch: ifMatch)
+    }
   }
   func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {
     lock.withLock {
       namesSent += puts.map(\.item.name)
       itemRequestsSent += 1
     }
-    return try await write("puts \(puts.map(\.item.name))") { [inner] in try await inner.putItems(container, puts) }
+    return try await write("puts \(puts.map { "\($0.item.itemID) \($0.item.name) if-match \($0.ifMatch ?? "-")" })") {
+      [inner] in try await inner.putItems(container, puts)
+    }
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("delete") { [inner] in
+    return try await write("delete \(itemID) if-match \(ifMatch ?? "-")") { [inner] in
       try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
     }
   }
@@ -245,7 +251,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     -> ItemBatchResults
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("deletes \(deletes.count)") { [inner] in
+    return try await write("deletes \(deletes.map { "\($0.itemID) if-match \($0.ifMatch)" })") { [inner] in
       try await inner.deleteItems(container, deletes, deviceID: deviceID)
     }
   }
@@ -283,7 +289,9 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     let r = nextFate()
     do {
       let batch = try await changes(container, since: since, limit: limit, fate: r)
-      note("changes since \(since): \(Self.pageFate(r)), \(batch.items.map(\.name)) to \(batch.token)")
+      note(
+        "changes since \(since): \(Self.pageFate(r)), \(batch.items.map { "\($0.itemID) \($0.name) \($0.etag)" }) "
+          + "to \(batch.token)")
       return batch
     } catch {
       note("changes since \(since): \(Self.pageFate(r)), \(error)")
@@ -450,7 +458,12 @@ final class SyncSimulation {
       }
     }
     let counter = Counter()
-    return IdentifierSource { String(format: "%08x-%04x-4000-8000-000000000000", counter.next(), d) }
+    // The device and the count lead: ids cut to their first 8 or 12 characters (conflict
+    // versions, names stepped aside) stay apart too.
+    return IdentifierSource {
+      let n = counter.next()
+      return String(format: "%02x%06x-0000-4000-8000-%012x", d, n & 0xff_ffff, n)
+    }
   }
 
   deinit {
@@ -875,11 +888,22 @@ final class SyncSimulation {
     Self.stats["acknowledged writes checked", default: 0] += writes.filter { !$0.superseded }.count
   }
 
-  /// What a run did, to compare two runs of one sequence: each device's requests with their
-  /// fates, then each device's tree and the cloud's.
+  /// What a run did, to compare two runs of one sequence: each device's requests (item ids,
+  /// names, If-Match, the records of each page) with their fates, each device's index rows
+  /// (ids, places, etags, modes, conflict versions), then each device's tree and the cloud's.
   func trace() throws -> [String] {
     var lines: [String] = []
     for d in links.indices { lines += links[d].trace.map { "device \(d) sent \($0)" } }
+    for d in devices.indices {
+      let rows = try devices[d].index.pool.read { db in
+        try ItemRow.fetchAll(db, sql: "SELECT * FROM items ORDER BY id")
+      }
+      lines += rows.map { row in
+        let versions = row.conflictList.map { "\($0.versionID) by \($0.deviceID): \($0.chunks.map(\.hash))" }
+        return "device \(d) row \(row.id ?? 0) \(row.itemID) in \(row.parent ?? 0) as \(row.name), etag "
+          + "\(row.etag ?? "-"), mode \(row.mode), versions \(versions)"
+      }
+    }
     func listed(_ tree: [String: String], _ owner: String) -> [String] {
       tree.keys.sorted().map { "\(owner) has \($0): \(tree[$0]!)" }
     }
