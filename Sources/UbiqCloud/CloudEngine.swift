@@ -238,7 +238,16 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if let refusal = Self.deleteRefusal(itemID: itemID) { throw refusal }
     if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
     guard let current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
-      throw CloudError.notFound("item \(itemID)")
+      guard ifMatch == nil else { throw CloudError.notFound("item \(itemID)") }
+      // An item this cloud has not seen, deleted without an etag: a device deletes an item
+      // whose first upload may still be on its way. The tombstone is recorded, and such an
+      // upload, which carries no etag, cannot pass it (`CommitRule`).
+      let never = CloudItem(
+        itemID: itemID, parentID: WellKnownItem.documents, name: itemID, kind: .file, mode: 0o600, size: 0,
+        mtimeNs: Clock.nowNs(), deleted: true, deviceID: deviceID)
+      return try await metadata.commit(
+        account: account, container: container.rawValue, item: never, ifMatch: nil, chunks: [],
+        rule: Self.deleteRule)
     }
     if current.deleted { return current }
     let gone = Self.tombstone(of: current, by: deviceID)

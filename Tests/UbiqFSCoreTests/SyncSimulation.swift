@@ -1450,6 +1450,32 @@ final class SyncSimulation {
     }
   }
 
+  /// A new file's first upload is held back by the network and the file is deleted here before
+  /// it arrives: the cloud has never seen the item when the delete is sent. The upload reaching
+  /// the cloud afterwards must not bring the deleted file back on any device.
+  @Test func aFirstUploadDeliveredAfterTheDeleteDoesNotBringTheFileBack() async throws {
+    try await onOwnThread {
+      let sim = try SyncSimulation(devices: 2)
+      let step = { (device: Int, kind: String, path: String) in
+        SyncStep(
+          device: device, kind: SyncStep.kinds.firstIndex(of: kind)!, a: SyncStep.paths.firstIndex(of: path)!, b: 0,
+          n: 0)
+      }
+      try sim.run(step(0, "write", "f"))
+      sim.links[0].writesToDelay = 1
+      sim.time.advance(byNs: 61_000_000_000)
+      try sim.run(step(0, "upload", "f"))
+      try sim.run(step(0, "unlink", "f"))
+      sim.time.advance(byNs: 61_000_000_000)
+      try sim.run(step(0, "upload", "f"))
+      #expect(try sim.devices[0].index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "the delete is done")
+      // Healing delivers the held-back upload first.
+      try sim.finish()
+      #expect(try sim.cloudTree().tree["f"] == nil, "the deleted file is in the cloud")
+      for d in sim.devices.indices { #expect(try sim.devices[d].inode("f") == nil, "f is back on device \(d)") }
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(

@@ -133,6 +133,14 @@ def test_items_etags_if_match_and_conflicts(api):
     assert api.delete(f"{CQ}/items/n1?device=dev-test").status == 200
     # The root cannot be written or deleted; unknown items are 404.
     error(api.delete(f"{CQ}/items/documents"), 400, "invalid")
+    # An item the cloud has not seen: with an etag, 404; without one, its tombstone is recorded
+    # (its first upload may still be on its way), and that upload, which has no etag, is refused.
+    error(api.delete(f"{CQ}/items/never", headers={"If-Match": '"5"'}), 404, "not_found")
+    r = api.delete(f"{CQ}/items/never?device=dev-test")
+    assert r.status == 200 and r.json()["deleted"] is True and r.json()["deviceID"] == "dev-test", r
+    assert api.delete(f"{CQ}/items/never?device=dev-test").json()["etag"] == r.json()["etag"]
+    body = error(put_file(api, "never", "late.txt", b"sent before the delete"), 409, "conflict")
+    assert body["current"]["deleted"] is True
     error(api.get(f"{CQ}/items/nope"), 404, "not_found")
     # A container that does not exist.
     error(api.put("/v1/containers/iCloud.com.example.other/items/x", item("x", "x", b"")), 404, "not_found")
