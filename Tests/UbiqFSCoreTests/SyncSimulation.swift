@@ -35,6 +35,10 @@ struct SyncStep: Sendable, CustomStringConvertible {
   /// sequences.
   static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
+  /// A step by the names of its kind and path (a sequence written by hand).
+  static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
+    SyncStep(device: device, kind: kinds.firstIndex(of: kind)!, a: paths.firstIndex(of: path)!, b: 0, n: 0)
+  }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
   var description: String {
@@ -1425,23 +1429,18 @@ final class SyncSimulation {
   @Test func aLateFirstUploadDoesNotBringBackADeletedFile() async throws {
     try await onOwnThread {
       let sim = try SyncSimulation(devices: 2)
-      let step = { (device: Int, kind: String, path: String) in
-        SyncStep(
-          device: device, kind: SyncStep.kinds.firstIndex(of: kind)!, a: SyncStep.paths.firstIndex(of: path)!, b: 0,
-          n: 0)
-      }
-      try sim.run(step(0, "write", "f"))
+      try sim.run(.named(0, "write"))
       sim.links[0].writesToDelay = 1
       // Each upload after its backoff (steps drawn as 0 take no time).
       for _ in 0..<2 {
         sim.time.advance(byNs: 61_000_000_000)
-        try sim.run(step(0, "upload", "f"))
+        try sim.run(.named(0, "upload"))
       }
-      try sim.run(step(1, "pull", "f"))
+      try sim.run(.named(1, "pull"))
       #expect(try sim.devices[1].inode("f") != nil, "the retried upload arrived")
-      try sim.run(step(0, "unlink", "f"))
+      try sim.run(.named(0, "unlink"))
       sim.time.advance(byNs: 61_000_000_000)
-      try sim.run(step(0, "upload", "f"))
+      try sim.run(.named(0, "upload"))
       #expect(try sim.cloudTree().tree["f"] == nil, "the delete reached the cloud")
       // Healing delivers the held-back upload first.
       try sim.finish()
@@ -1456,18 +1455,13 @@ final class SyncSimulation {
   @Test func aFirstUploadDeliveredAfterTheDeleteDoesNotBringTheFileBack() async throws {
     try await onOwnThread {
       let sim = try SyncSimulation(devices: 2)
-      let step = { (device: Int, kind: String, path: String) in
-        SyncStep(
-          device: device, kind: SyncStep.kinds.firstIndex(of: kind)!, a: SyncStep.paths.firstIndex(of: path)!, b: 0,
-          n: 0)
-      }
-      try sim.run(step(0, "write", "f"))
+      try sim.run(.named(0, "write"))
       sim.links[0].writesToDelay = 1
       sim.time.advance(byNs: 61_000_000_000)
-      try sim.run(step(0, "upload", "f"))
-      try sim.run(step(0, "unlink", "f"))
+      try sim.run(.named(0, "upload"))
+      try sim.run(.named(0, "unlink"))
       sim.time.advance(byNs: 61_000_000_000)
-      try sim.run(step(0, "upload", "f"))
+      try sim.run(.named(0, "upload"))
       #expect(try sim.devices[0].index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "the delete is done")
       // Healing delivers the held-back upload first.
       try sim.finish()
