@@ -521,28 +521,31 @@ public final class UploadWorker: @unchecked Sendable {
       } else if let itemID = entry.deleteItemID {
         var restoring: CloudItem? = nil
         var etag = entry.deleteEtag
-        let inCloud = etag == nil && entry.deleteMaybeInCloud ? try await cloud.item(container, itemID: itemID) : nil
-        if etag == nil && entry.deleteMaybeInCloud && inCloud == nil {
-          // The cloud has not seen the item, but its first upload may still be on its way (held
-          // back in the network): the delete is recorded as a tombstone, which that upload
-          // cannot pass. If it arrived meanwhile, the next attempt finds it and deletes it.
-          do {
-            _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: nil, deviceID: deviceID)
-          } catch CloudError.notFound {
-            // A cloud that records no tombstone for an item it has not seen.
-          } catch CloudError.conflict {
-            throw CloudError.unavailable("the first upload of \(itemID) arrived while its delete was sent")
-          }
-        }
-        if let current = inCloud, !current.deleted {
-          // An upload whose reply was lost did reach the cloud. Our own version goes; a version
-          // another device wrote on top of it, or whose content another device wrote (a merge),
-          // wins over this delete.
-          if current.deviceID == deviceID && current.contentAuthor == deviceID {
-            etag = current.etag
-          } else {
-            log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
-            restoring = current
+        if etag == nil && entry.deleteMaybeInCloud {
+          switch try await cloud.item(container, itemID: itemID) {
+          case nil:
+            // The cloud has not seen the item, but its first upload may still be on its way
+            // (held back in the network): the delete is recorded as a tombstone, which that
+            // upload cannot pass. If it arrived meanwhile, the next attempt finds it and deletes it.
+            do {
+              _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: nil, deviceID: deviceID)
+            } catch CloudError.notFound {
+              // A cloud that records no tombstone for an item it has not seen.
+            } catch CloudError.conflict {
+              throw CloudError.unavailable("the first upload of \(itemID) arrived while its delete was sent")
+            }
+          case let current? where !current.deleted:
+            // An upload whose reply was lost did reach the cloud. Our own version goes; a version
+            // another device wrote on top of it, or whose content another device wrote (a merge),
+            // wins over this delete.
+            if current.deviceID == deviceID && current.contentAuthor == deviceID {
+              etag = current.etag
+            } else {
+              log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
+              restoring = current
+            }
+          case .some:
+            break  // Already deleted.
           }
         }
         // A file with other devices' unresolved conflict versions: their edits are kept (the
@@ -560,7 +563,8 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = newer
           }
         }
-        // Still no etag (and no upload attempted): the item never reached the cloud.
+        // Still no etag: nothing of the item is live in the cloud (it was never sent, is
+        // deleted already, or its tombstone was recorded above).
         if etag != nil && restoring == nil {
           do {
             _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)

@@ -183,19 +183,17 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       return writesSent
     }
     try beforeWrite?(n)
-    let loseReply = lock.withLock {
-      defer { lostRepliesLeft = max(0, lostRepliesLeft - 1) }
-      return lostRepliesLeft > 0
-    }
-    let delay = lock.withLock {
-      defer { delaysLeft = max(0, delaysLeft - 1) }
-      return delaysLeft > 0
+    let (loseReply, delay, delaying) = lock.withLock {
+      defer {
+        lostRepliesLeft = max(0, lostRepliesLeft - 1)
+        delaysLeft = max(0, delaysLeft - 1)
+      }
+      return (lostRepliesLeft > 0, delaysLeft > 0, self.delaying)
     }
     // A fault set for the next writes takes the place of a drawn one.
     let r = loseReply || delay ? 0 : nextFate()
-    var fate: WriteFate = loseReply ? .lostReply : Self.writeFate(r)
-    if fate == .lostRequest && lock.withLock({ delaying }) { fate = .delayed }
-    if delay { fate = .delayed }
+    var fate: WriteFate = delay ? .delayed : loseReply ? .lostReply : Self.writeFate(r)
+    if fate == .lostRequest && delaying { fate = .delayed }
     do {
       if fate == .lostRequest { throw CloudError.unavailable("simulated: request lost") }
       if fate == .delayed {
