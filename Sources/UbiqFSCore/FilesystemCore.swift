@@ -76,7 +76,9 @@ public final class FilesystemCore: @unchecked Sendable {
     return row
   }
 
-  func attributes(for row: ItemRow) -> FileAttributes {
+  /// The attributes of `row`. `subdirectories`: for a directory, the count of directories in
+  /// it if the caller read it with the row (it is read here otherwise).
+  func attributes(for row: ItemRow, subdirectories: Int? = nil) -> FileAttributes {
     let ino = row.id!
     var size = row.size
     var mtime = row.mtimeNs
@@ -87,7 +89,7 @@ public final class FilesystemCore: @unchecked Sendable {
     var links = 1
     if row.kind == .directory {
       size = 4096
-      links = 2 + ((try? index.subdirectoryCount(ino)) ?? 0)
+      links = 2 + (subdirectories ?? (try? index.subdirectoryCount(ino)) ?? 0)
     }
     // An evicted file keeps its size but occupies nothing locally.
     let blocks = (row.kind == .file && row.content == .dataless) ? 0 : (size + 511) / 512
@@ -109,12 +111,14 @@ public final class FilesystemCore: @unchecked Sendable {
   /// The attributes of `name` in `parent`, or nil if there is none (a negative entry).
   public func lookup(parent: Int64, name: String) throws -> FileAttributes? {
     try checkName(name)
-    guard let row = try index.child(of: parent, named: name) else { return nil }
-    return attributes(for: row)
+    guard let found = try index.childWithSubdirectoryCount(of: parent, named: name) else { return nil }
+    return attributes(for: found.row, subdirectories: found.subdirectories)
   }
 
   public func getattr(_ inode: Int64) throws -> FileAttributes {
-    if let row = try index.item(inode) { return attributes(for: row) }
+    if let found = try index.itemWithSubdirectoryCount(inode) {
+      return attributes(for: found.row, subdirectories: found.subdirectories)
+    }
     // An open file that was unlinked.
     if let o = inodes.unlinkedAttributes(inode), let live = inodes.openFileState(inode, anyHandle: true) {
       let size = live.size ?? 0
@@ -204,8 +208,9 @@ public final class FilesystemCore: @unchecked Sendable {
     guard mode & S_IFMT == S_IFREG else {
       throw UbiqError.notPermitted("only regular files, directories and symlinks can be stored")
     }
+    // An empty file needs no cache file: the first open that needs one makes it
+    // (`FileContent.isPresent`).
     let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
-    close(try cache.open(row.id!, create: true))
     return attributes(for: row)
   }
 
@@ -442,9 +447,9 @@ public final class FilesystemCore: @unchecked Sendable {
     FileAttributes, OpenedFile
   ) {
     let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
-    let fd = try cache.open(row.id!, create: true)
-    _ = ftruncate(fd, 0)
-    let file = OpenFile(inode: row.id!, fd: fd, writable: true)
+    // The handle opens the cache file when a request first needs it (`descriptor`): a file
+    // closed unwritten (touch, a lock file) costs the index insert and nothing on disk.
+    let file = OpenFile(inode: row.id!, fd: nil, writable: true)
     // Until its creator's first flush the file is that writer's: the upload waits for it, so
     // the empty file between the create and the writes never leaves the device. The index is
     // written once (the insert): the dirty mark waits for a first write.
@@ -454,13 +459,29 @@ public final class FilesystemCore: @unchecked Sendable {
       file.createdUnwritten = true
     }
     let h = handles.add(file)
-    file.epoch = inodes.opened(row.id!, handle: h, fd: fd, writable: true)
+    file.epoch = inodes.opened(row.id!, handle: h, fd: nil, writable: true)
     return (attributes(for: row), OpenedFile(handle: h, keepCache: true))
   }
 
   func openHandle(_ handle: UInt64) throws -> OpenFile {
     guard let f = handles.get(handle) else { throw UbiqError.invalidArgument("bad file handle \(handle)") }
     return f
+  }
+
+  /// The cache file descriptor of `f`, opening the cache file (made if there is none: the
+  /// file is empty, or another handle made it) if the handle has no descriptor yet.
+  func descriptor(_ f: OpenFile) throws -> Int32 {
+    if let fd = f.fd { return fd }
+    return try inodes.withInodeLock(f.inode) { try descriptorUnderInodeLock(f) }
+  }
+
+  /// `descriptor` under the inode lock.
+  func descriptorUnderInodeLock(_ f: OpenFile) throws -> Int32 {
+    if let fd = f.fd { return fd }
+    let fd = try cache.open(f.inode, create: true)
+    f.setDescriptor(fd)
+    inodes.descriptorOpened(f.inode, handle: f.number, fd: fd)
+    return fd
   }
 
   /// Waits until [offset, offset+size) of the handle's file is present and returns the cache
@@ -482,7 +503,7 @@ public final class FilesystemCore: @unchecked Sendable {
       let ahead = f.fetchLimit(afterReadAt: offset, length: size)
       if !downloader.requestRange(s, offset, size, fetchAheadTo: ahead) { return nil }
     }
-    return f.fd
+    return try descriptor(f)
   }
 
   /// The second half of `prepareRead`: waits for a range `readableDescriptor` asked for.
@@ -493,7 +514,7 @@ public final class FilesystemCore: @unchecked Sendable {
     if let s = f.stream, let downloader, !(s.finished && s.failed == nil) {
       try downloader.waitForRequestedRange(s, offset, size, interruption: interruption)
     }
-    return f.fd
+    return try descriptor(f)
   }
 
   /// True if an open of `inode` with `flags` waits for a download: an open that may write
@@ -534,9 +555,10 @@ public final class FilesystemCore: @unchecked Sendable {
     guard offset >= 0, !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("write past 16 TiB") }
     return try f.withWrite {
       try beginWrite(f)
+      let fd = try descriptor(f)
       var done = 0
       while done < bytes.count {
-        let n = pwrite(f.fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
+        let n = pwrite(fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
         if n < 0 {
           if errno == EINTR { continue }
           throw UbiqError.posix(errno, "write")
@@ -564,6 +586,7 @@ public final class FilesystemCore: @unchecked Sendable {
   /// the handle that created the file leaves its dirty mark, a dirty one moves the generation.
   func handleBeginsWriting(_ f: OpenFile) throws {
     if f.createdUnwritten {
+      _ = try descriptorUnderInodeLock(f)
       try content.createdFileWriteBegins(f.inode)
       f.createdUnwritten = false
     } else if f.dirty {
@@ -587,7 +610,7 @@ public final class FilesystemCore: @unchecked Sendable {
         return true  // the upload queued at the create may go now
       }
       var st = Glibc.stat()
-      if fstat(f.fd, &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
+      if fstat(try descriptor(f), &st) != 0 { throw UbiqError.posix(errno, "fstat of the cache file") }
       // nil: the mtime was set explicitly after the last write; keep it.
       let mtime = inodes.takePendingMtime(f.inode)
       try inodes.withInodeLock(f.inode) {
@@ -610,7 +633,8 @@ public final class FilesystemCore: @unchecked Sendable {
     let f = try openHandle(handle)
     try persist(f)
     let revision = try index.item(f.inode)?.revision
-    if (dataOnly ? fdatasync(f.fd) : Glibc.fsync(f.fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
+    let fd = try descriptor(f)
+    if (dataOnly ? fdatasync(fd) : Glibc.fsync(fd)) != 0 { throw UbiqError.posix(errno, "fsync") }
     try cache.syncDirectory()
     if let revision { try content.bytesDurable(f.inode, upTo: revision) }
     try index.makeDurable()
@@ -638,7 +662,7 @@ public final class FilesystemCore: @unchecked Sendable {
       inodes.withInodeLock(f.inode) { downloader.closeReader(s) }
     }
     let lastOfUnlinked = inodes.closed(f.inode, handle: handle, writable: f.writable, wasDirty: f.dirty) != nil
-    close(f.fd)
+    if let fd = f.fd { close(fd) }
     if lastOfUnlinked { forgetContent(f.inode) }
   }
 
@@ -650,7 +674,7 @@ public final class FilesystemCore: @unchecked Sendable {
     guard !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("fallocate past 16 TiB") }
     try f.withWrite {
       try beginWrite(f)
-      let r = posix_fallocate(f.fd, off_t(offset), off_t(length))
+      let r = posix_fallocate(try descriptor(f), off_t(offset), off_t(length))
       if r != 0 { throw UbiqError.posix(r, "fallocate") }
       inodes.noteWritten(f.inode, mtimeNs: self.index.clock.nowNs())
     }

@@ -9,8 +9,16 @@ import UbiqSync
 /// One open file handle: the cache file descriptor the kernel's requests go to.
 final class OpenFile {
   let inode: Int64
-  let fd: Int32
   let writable: Bool
+  /// The handle's number in the `HandleTable` (set when it is added).
+  var number: UInt64 = 0
+  /// The cache file's descriptor, or nil until a request needs it: the handle that creates a
+  /// file opens the cache file at its first write (or read, or fsync), so an empty file
+  /// closed unwritten never gets one. Set once, under the inode lock; read under
+  /// `descriptorLock` from any thread.
+  var fd: Int32? { descriptorLock.withLock { descriptor } }
+  private var descriptor: Int32?
+  private let descriptorLock = NSLock()
   /// Written since the last flush/fsync (or, with `createdUnwritten`, created and not flushed).
   var dirty = false
   /// The handle created the file and has written nothing yet: it holds the file as a writer,
@@ -25,13 +33,16 @@ final class OpenFile {
   private var readAhead: ReadAheadWindow
   private let readAheadLock = NSLock()
 
-  init(inode: Int64, fd: Int32, writable: Bool, epoch: UInt64 = 0, readAhead: ReadAheadWindow = ReadAheadWindow()) {
+  init(inode: Int64, fd: Int32?, writable: Bool, epoch: UInt64 = 0, readAhead: ReadAheadWindow = ReadAheadWindow()) {
     self.inode = inode
-    self.fd = fd
+    self.descriptor = fd
     self.writable = writable
     self.epoch = epoch
     self.readAhead = readAhead
   }
+
+  /// Gives the handle its cache file descriptor (it had none). Under the inode lock.
+  func setDescriptor(_ fd: Int32) { descriptorLock.withLock { descriptor = fd } }
 
   /// Records a read through this handle; returns the offset the download may fetch up to.
   func fetchLimit(afterReadAt offset: Int64, length: Int) -> Int64 {
@@ -86,6 +97,7 @@ final class HandleTable: @unchecked Sendable {
     lock.withLock {
       let h = nextHandle
       nextHandle += 1
+      f.number = h
       handles[h] = f
       return h
     }

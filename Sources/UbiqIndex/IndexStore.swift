@@ -293,6 +293,41 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
+  /// The row of `inode` with, for a directory, the count of directories directly below it (0
+  /// for anything else): what a getattr answers, in one read. The kernel asks for a folder's
+  /// attributes again after every create or unlink in it.
+  public func itemWithSubdirectoryCount(_ inode: Int64) throws -> (row: ItemRow, subdirectories: Int)? {
+    let dir = ItemKind.directory.rawValue
+    return try readOne { db in
+      try Row.fetchOne(
+        db.cached(
+          """
+          SELECT i.*, CASE WHEN i.kind = ? THEN
+            (SELECT count(*) FROM items WHERE parent = i.id AND kind = ?) ELSE 0 END AS subdirectories
+          FROM items i WHERE i.id = ?
+          """), arguments: [dir, dir, inode]
+      ).map { (try ItemRow(row: $0), $0["subdirectories"]) }
+    }
+  }
+
+  /// The child `name` of `parent`, with its subdirectory count as `itemWithSubdirectoryCount`
+  /// gives it: what a lookup answers, in one read.
+  public func childWithSubdirectoryCount(
+    of parent: Int64, named name: String
+  ) throws -> (row: ItemRow, subdirectories: Int)? {
+    let dir = ItemKind.directory.rawValue
+    return try readOne { db in
+      try Row.fetchOne(
+        db.cached(
+          """
+          SELECT i.*, CASE WHEN i.kind = ? THEN
+            (SELECT count(*) FROM items WHERE parent = i.id AND kind = ?) ELSE 0 END AS subdirectories
+          FROM items i WHERE i.parent = ? AND i.name = ?
+          """), arguments: [dir, dir, parent, name]
+      ).map { (try ItemRow(row: $0), $0["subdirectories"]) }
+    }
+  }
+
   /// Directories directly below `inode` (a directory's link count is 2 plus this).
   public func subdirectoryCount(_ inode: Int64) throws -> Int {
     try readOne { db in
@@ -336,10 +371,10 @@ public final class IndexStore: @unchecked Sendable {
   ) throws -> ItemRow {
     try ItemName.validate(name)
     return try pool.write { db in
-      guard let p = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [parent]) else {
+      guard let p = try Row.fetchOne(db.cached("SELECT kind, name FROM items WHERE id = ?"), arguments: [parent]) else {
         throw UbiqError.notFound("parent \(parent)")
       }
-      guard p.isDirectory else { throw UbiqError.notDirectory(p.name) }
+      guard ItemKind(rawValue: p["kind"]) == .directory else { throw UbiqError.notDirectory(p["name"]) }
       if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
       let now = self.clock.nowNs()
       var row = ItemRow(
@@ -364,8 +399,10 @@ public final class IndexStore: @unchecked Sendable {
   /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
   public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
     try pool.write { db in
-      guard let id = try Self.childID(db, parent, name),
-        let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id])
+      guard
+        let row = try ItemRow.fetchOne(
+          db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name]),
+        let id = row.id
       else {
         throw UbiqError.notFound(name)
       }

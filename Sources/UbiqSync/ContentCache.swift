@@ -37,7 +37,8 @@ public final class ContentCache: @unchecked Sendable {
     /// The cache file.
     case file
     /// An empty file without a cache file: its content is known without one (an empty file
-    /// that arrived from the cloud gets its cache file only when something opens it).
+    /// that arrived from the cloud, or was made here and never written, gets its cache file
+    /// only when something opens it or writes to it).
     case emptyWithoutFile
     /// The cache file of a non-empty file is gone (a crash, a hand removal).
     case missing
@@ -50,8 +51,9 @@ public final class ContentCache: @unchecked Sendable {
     return size == 0 ? .emptyWithoutFile : .missing
   }
 
+  /// Removes the cache file of `inode`, if there is one (an empty file may have none).
   public func remove(_ inode: Int64) {
-    unlink(path(inode))
+    guard unlink(path(inode)) == 0 else { return }
     lock.withLock { namesChanged = true }
   }
 

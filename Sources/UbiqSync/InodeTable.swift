@@ -28,8 +28,9 @@ struct InodeState {
   /// Entries the kernel holds for the inode: each reply that hands it one (lookup, create,
   /// mkdir, a readdirplus entry) adds one, `forget` takes them back.
   var lookups: UInt64 = 0
-  /// Open handles: their cache file descriptors and whether they may write.
-  var handles: [UInt64: (fd: Int32, writable: Bool)] = [:]
+  /// Open handles: their cache file descriptors (nil until a handle that created the file
+  /// opens its cache file) and whether they may write.
+  var handles: [UInt64: (fd: Int32?, writable: Bool)] = [:]
   /// Open handles that may write.
   var writers = 0
   /// Open handles with writes not yet recorded in the index (flush, fsync, close).
@@ -119,12 +120,17 @@ public final class InodeTable: @unchecked Sendable {
   // MARK: - handles
 
   /// A handle was opened; returns the content epoch it is opened in.
-  public func opened(_ inode: Int64, handle: UInt64, fd: Int32, writable: Bool) -> UInt64 {
+  public func opened(_ inode: Int64, handle: UInt64, fd: Int32?, writable: Bool) -> UInt64 {
     update(inode) {
       $0.handles[handle] = (fd, writable)
       if writable { $0.writers += 1 }
       return $0.contentEpoch
     }
+  }
+
+  /// A handle opened without a descriptor (`opened` with nil) opened its cache file.
+  public func descriptorOpened(_ inode: Int64, handle: UInt64, fd: Int32) {
+    update(inode) { $0.handles[handle]?.fd = fd }
   }
 
   /// A handle was closed (its descriptor is closed after this returns, so `openFileState`
@@ -161,7 +167,8 @@ public final class InodeTable: @unchecked Sendable {
   public func openFileState(_ inode: Int64, anyHandle: Bool = false) -> (size: Int64?, pendingMtimeNs: Int64?)? {
     lock.withLock {
       guard let state = states[inode], !state.handles.isEmpty else { return nil }
-      let fd = (state.handles.values.first { $0.writable } ?? (anyHandle ? state.handles.values.first : nil))?.fd
+      let open = state.handles.values.filter { $0.fd != nil }
+      let fd = (open.first { $0.writable } ?? (anyHandle ? open.first : nil))?.fd
       var st = stat()
       let size = fd.flatMap { fstat($0, &st) == 0 ? Int64(st.st_size) : nil }
       return (size, state.pendingMtimeNs)

@@ -669,10 +669,12 @@ public final class UploadWorker: @unchecked Sendable {
       return PreparedUpload(snapshot: snap, chunks: base.chunks, size: base.size, placeOnly: true)
     }
     if row.kind == .file {
-      if row.content == .cached && cache.cachedContent(inode, size: row.size) == .emptyWithoutFile {
+      let empty = row.content == .cached && row.size == 0 ? emptyContent(inode) : nil
+      if empty == .withoutCacheFile {
+        // No bytes that a power loss could take: the file is empty without a cache file.
         chunks = []
         try content.bytesDurable(inode, upTo: row.revision)
-      } else if row.content == .cached && row.size == 0 && !snap.contentUnsynced && cacheFileIsEmpty(inode) {
+      } else if empty == .emptyCacheFile && !snap.contentUnsynced {
         // Created and never written, or emptied durably: no bytes to read, send or sync.
         chunks = []
       } else if row.content == .cached {
@@ -716,13 +718,29 @@ public final class UploadWorker: @unchecked Sendable {
     return local
   }
 
-  /// Whether the cache file of `inode` is empty, with no writer holding unflushed bytes.
-  func cacheFileIsEmpty(_ inode: Int64) -> Bool {
-    guard let token = inodes.beginSnapshot(inode) else { return false }
+  /// How a file's content is empty, seen with no writer holding unflushed bytes.
+  enum EmptyContent {
+    /// There is no cache file (an empty file never written).
+    case withoutCacheFile
+    /// The cache file is empty.
+    case emptyCacheFile
+  }
+
+  /// Whether the content of `inode` is empty, with no writer holding unflushed bytes (nil if
+  /// it is not, or a writer holds bytes: the content path then waits for the writer).
+  func emptyContent(_ inode: Int64) -> EmptyContent? {
+    guard let token = inodes.beginSnapshot(inode) else { return nil }
     defer { inodes.endSnapshot(inode) }
     var st = stat()
-    guard stat(cache.path(inode), &st) == 0, st.st_size == 0 else { return false }
-    return inodes.isSnapshotIntact(inode, token)
+    let found: EmptyContent
+    if stat(cache.path(inode), &st) == 0 {
+      guard st.st_size == 0 else { return nil }
+      found = .emptyCacheFile
+    } else {
+      guard errno == ENOENT else { return nil }
+      found = .withoutCacheFile
+    }
+    return inodes.isSnapshotIntact(inode, token) ? found : nil
   }
 
   /// Commits a prepared item version (If-Match its etag), merging on conflict.

@@ -183,6 +183,55 @@ import UbiqSync
     }
   }
 
+  /// An empty file needs no cache file: a file created and closed unwritten, or made by mknod,
+  /// has none until something needs one. The creating handle then shares the cache file any
+  /// other handle made: it reads what they wrote, and its own writes land beside theirs.
+  @Test func anEmptyFileGetsItsCacheFileOnlyWhenSomethingNeedsIt() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      let (touched, h) = try w.core.create(parent: w.documents, name: "touched", mode: 0o644, caller: .current)
+      w.core.release(h.handle)
+      let node = try w.core.mknod(parent: w.documents, name: "node", mode: S_IFREG | 0o644, caller: .current)
+      #expect(!w.core.cache.exists(touched.inode), "a file closed unwritten has a cache file")
+      #expect(!w.core.cache.exists(node.inode), "mknod made a cache file")
+      #expect(try w.core.getattr(touched.inode).size == 0)
+      #expect(try w.readFile("touched") == Data())
+      #expect(try w.readFile("node") == Data())
+
+      // Two handles: the creator's, with no cache file yet, and another writer's.
+      let (shared, creator) = try w.core.create(parent: w.documents, name: "shared", mode: 0o644, caller: .current)
+      let other = try w.core.open(shared.inode, flags: O_RDWR, caller: .current).handle
+      _ = try Data("x".utf8).withUnsafeBytes { try w.core.write(other, $0, offset: 0) }
+      #expect(try w.core.read(creator.handle, offset: 0, size: 10) == Data("x".utf8))
+      _ = try Data("y".utf8).withUnsafeBytes { try w.core.write(creator.handle, $0, offset: 1) }
+      #expect(try w.core.getattr(shared.inode).size == 2)
+      w.core.release(other)
+      w.core.release(creator.handle)
+      #expect(try w.readFile("shared") == Data("xy".utf8))
+
+      // fsync and ftruncate through a creating handle that wrote nothing.
+      let (synced, s) = try w.core.create(parent: w.documents, name: "synced", mode: 0o644, caller: .current)
+      try w.core.fsync(s.handle, dataOnly: false)
+      w.core.release(s.handle)
+      let (grown, g) = try w.core.create(parent: w.documents, name: "grown", mode: 0o644, caller: .current)
+      var update = AttributeUpdate()
+      update.size = 3
+      _ = try w.core.setattr(grown.inode, update, handle: g.handle)
+      w.core.release(g.handle)
+      #expect(try w.readFile("grown") == Data(count: 3))
+
+      try w.core.unlink(parent: w.documents, name: "touched")
+      try w.drainUploads()
+      for (name, inode, size) in [("node", node.inode, 0), ("shared", shared.inode, 2), ("synced", synced.inode, 0)] {
+        let row = try w.index.item(inode)!
+        #expect(row.revision == row.syncedRevision, "\(name) uploaded")
+        let item = try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }
+        #expect(item?.size == Int64(size), "\(name): the cloud has what the mount shows")
+      }
+      #expect(try w.index.item(touched.inode) == nil)
+    }
+  }
+
   /// A power loss can keep the index commit of a close (any later synced commit makes it
   /// durable) and lose the cache file's bytes, which nobody fsync'ed: here the cache file is cut
   /// back to what such a loss leaves. After the restart the file shows what its cache file holds
@@ -349,6 +398,8 @@ import UbiqSync
       try w.core.rename(parent: b.inode, name: "sub", newParent: a.inode, newName: "sub", flags: [])
       #expect(try w.core.getattr(a.inode).linkCount == 3)
       #expect(try w.core.getattr(b.inode).linkCount == 2)
+      #expect(try w.core.lookup(parent: w.documents, name: "a")?.linkCount == 3)
+      #expect(try w.core.lookup(parent: w.documents, name: "b")?.linkCount == 2)
     }
   }
 }
