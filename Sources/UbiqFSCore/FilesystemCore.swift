@@ -188,13 +188,22 @@ public final class FilesystemCore: @unchecked Sendable {
     onQueued()
   }
 
+  /// Inserts an item. `inserted` runs inside the insert's transaction (`IndexStore.create`).
+  /// A regular file starts with no cache file; one left under its new inode number (a power
+  /// loss rolled the index back past an earlier insert, and the mount's sweep missed its file)
+  /// is removed first, so its bytes never become the new file's.
   func makeItem(
-    parent: Int64, name: String, kind: ItemKind, mode: UInt32, caller: Caller, target: String? = nil
+    parent: Int64, name: String, kind: ItemKind, mode: UInt32, caller: Caller, target: String? = nil,
+    inserted: (Int64) -> Void = { _ in }
   ) throws -> ItemRow {
     try checkName(name)
     let row = try index.create(
       parent: parent, name: name, kind: kind, mode: mode & 0o7777, uid: caller.uid, gid: caller.gid,
-      symlinkTarget: target)
+      symlinkTarget: target, inserted: inserted)
+    if kind == .file, cache.exists(row.id!) {
+      log.warning("a cache file was left under the new inode \(row.id!); removed")
+      cache.remove(row.id!)
+    }
     onQueued()
     return row
   }
@@ -446,15 +455,25 @@ public final class FilesystemCore: @unchecked Sendable {
   public func create(parent: Int64, name: String, mode: UInt32, caller: Caller) throws -> (
     FileAttributes, OpenedFile
   ) {
-    let row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller)
+    // Until its creator's first flush the file is that writer's, from inside the insert's
+    // transaction on: the upload waits for it, so the empty file between the create and the
+    // writes never leaves the device. The index is written once (the insert): the dirty mark
+    // waits for a first write.
+    var held: Int64?
+    let row: ItemRow
+    do {
+      row = try makeItem(parent: parent, name: name, kind: .file, mode: mode, caller: caller) { inode in
+        content.createdForWriting(inode)
+        held = inode
+      }
+    } catch {
+      if let held { inodes.noteFlushed(held) }
+      throw error
+    }
     // The handle opens the cache file when a request first needs it (`descriptor`): a file
     // closed unwritten (touch, a lock file) costs the index insert and nothing on disk.
     let file = OpenFile(inode: row.id!, fd: nil, writable: true)
-    // Until its creator's first flush the file is that writer's: the upload waits for it, so
-    // the empty file between the create and the writes never leaves the device. The index is
-    // written once (the insert): the dirty mark waits for a first write.
     inodes.withInodeLock(row.id!) {
-      content.createdForWriting(row.id!)
       file.dirty = true
       file.createdUnwritten = true
     }

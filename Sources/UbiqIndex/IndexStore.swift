@@ -365,9 +365,12 @@ public final class IndexStore: @unchecked Sendable {
   // MARK: - namespace changes
 
   /// Creates an item under `parent`. Throws `.exists`, `.notFound`, `.notDirectory`.
+  /// `inserted` runs with the new inode inside the insert's transaction, before anything can
+  /// read the row or its queue entry (it must not touch the index); if the transaction then
+  /// fails, the caller undoes what it did.
   public func create(
     parent: Int64, name: String, kind: ItemKind, mode: UInt32, uid: UInt32, gid: UInt32,
-    symlinkTarget: String? = nil
+    symlinkTarget: String? = nil, inserted: (Int64) -> Void = { _ in }
   ) throws -> ItemRow {
     try ItemName.validate(name)
     return try pool.write { db in
@@ -384,6 +387,7 @@ public final class IndexStore: @unchecked Sendable {
       try row.insert(db)
       try Self.touchDirectory(db, parent, now)
       try self.enqueue(db, row.id!)
+      inserted(row.id!)
       return row
     }
   }

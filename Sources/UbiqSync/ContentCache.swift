@@ -7,7 +7,8 @@ import UbiqCore
 
 /// The local content cache: one file per inode under `<state>/content/`. Owns the naming and the
 /// creation/removal of those files; the filesystem reads and writes them through file descriptors.
-/// Sendable: `namesChanged` is guarded by `lock`; a file's name changes only under its inode lock.
+/// Sendable: `namesChanged` is guarded by `lock`; `syncLock` orders the folder's fsyncs; a file's
+/// name changes only under its inode lock.
 public final class ContentCache: @unchecked Sendable {
   public let directory: String
 
@@ -18,9 +19,12 @@ public final class ContentCache: @unchecked Sendable {
 
   public func path(_ inode: Int64) -> String { "\(directory)/\(inode)" }
 
-  /// Names created or removed since the folder was last fsync'ed.
+  /// Names created or removed since the folder's last fsync began.
   private var namesChanged = true
   private let lock = NSLock()
+  /// Held across a folder fsync, so a caller that finds nothing changed since the last fsync
+  /// began also finds that fsync finished.
+  private let syncLock = NSLock()
 
   /// Opens (creating if asked) the cache file of `inode` read-write.
   public func open(_ inode: Int64, create: Bool) throws -> Int32 {
@@ -61,13 +65,18 @@ public final class ContentCache: @unchecked Sendable {
   /// any changed since the last call. Called before an index commit that relies on them is made
   /// durable or refers to a new cache file's bytes.
   public func syncDirectory() throws {
-    guard lock.withLock({ namesChanged }) else { return }
-    lock.withLock { namesChanged = false }
-    do {
-      try Self.fsyncDirectory(directory)
-    } catch {
-      lock.withLock { namesChanged = true }
-      throw error
+    try syncLock.withLock {
+      let changed = lock.withLock {
+        defer { namesChanged = false }
+        return namesChanged
+      }
+      guard changed else { return }
+      do {
+        try Self.fsyncDirectory(directory)
+      } catch {
+        lock.withLock { namesChanged = true }
+        throw error
+      }
     }
   }
 

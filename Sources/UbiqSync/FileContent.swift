@@ -111,7 +111,9 @@ public struct FileContent: Sendable {
 
   /// (new) → dirty: a file created open for writing. The creating handle holds it as a writer
   /// does (its upload waits for the handle's flush), but nothing is marked in the index: the
-  /// file is empty, and a crash before its first write loses nothing. Under the inode lock.
+  /// file is empty, and a crash before its first write loses nothing. Runs inside the insert's
+  /// transaction, before anything else can know the inode (so with no lock); undone by
+  /// `InodeTable.noteFlushed` if that transaction fails.
   public func createdForWriting(_ inode: Int64) {
     inodes.beginWrite(inode, handleWasClean: true)
   }

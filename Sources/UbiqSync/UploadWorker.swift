@@ -670,7 +670,10 @@ public final class UploadWorker: @unchecked Sendable {
     }
     if row.kind == .file {
       let empty = row.content == .cached && row.size == 0 ? emptyContent(inode) : nil
-      if empty == .withoutCacheFile {
+      if empty == .heldByAWriter {
+        // The writer's flush records what it wrote (it may have no cache file yet).
+        throw Postpone(ns: 500_000_000)
+      } else if empty == .withoutCacheFile {
         // No bytes that a power loss could take: the file is empty without a cache file.
         chunks = []
         try content.bytesDurable(inode, upTo: row.revision)
@@ -718,18 +721,20 @@ public final class UploadWorker: @unchecked Sendable {
     return local
   }
 
-  /// How a file's content is empty, seen with no writer holding unflushed bytes.
+  /// What an empty row's content is on disk, seen with no writer holding unflushed bytes.
   enum EmptyContent {
     /// There is no cache file (an empty file never written).
     case withoutCacheFile
     /// The cache file is empty.
     case emptyCacheFile
+    /// A handle holds writes not yet recorded (or created the file and has not flushed it).
+    case heldByAWriter
   }
 
-  /// Whether the content of `inode` is empty, with no writer holding unflushed bytes (nil if
-  /// it is not, or a writer holds bytes: the content path then waits for the writer).
+  /// What the content of `inode`, recorded as empty, is (nil: the cache file is not empty, or
+  /// could not be looked at; the content path reads it then).
   func emptyContent(_ inode: Int64) -> EmptyContent? {
-    guard let token = inodes.beginSnapshot(inode) else { return nil }
+    guard let token = inodes.beginSnapshot(inode) else { return .heldByAWriter }
     defer { inodes.endSnapshot(inode) }
     var st = stat()
     let found: EmptyContent
@@ -740,7 +745,7 @@ public final class UploadWorker: @unchecked Sendable {
       guard errno == ENOENT else { return nil }
       found = .withoutCacheFile
     }
-    return inodes.isSnapshotIntact(inode, token) ? found : nil
+    return inodes.isSnapshotIntact(inode, token) ? found : .heldByAWriter
   }
 
   /// Commits a prepared item version (If-Match its etag), merging on conflict.

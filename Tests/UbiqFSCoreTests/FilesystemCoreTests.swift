@@ -232,6 +232,59 @@ import UbiqSync
     }
   }
 
+  /// The creating handle holds a new file from its insert on: an upload pass that runs right
+  /// after the insert's commit (before `create` returns) leaves the file for the creator's
+  /// flush, so the empty file between the create and the writes never reaches the cloud.
+  @Test func anUploadRightAfterTheInsertWaitsForTheCreator() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      var passes = 0
+      w.core.onQueued = {
+        passes += 1
+        try? w.drainUploadsOnce()
+      }
+      let (a, opened) = try w.core.create(parent: w.documents, name: "new", mode: 0o644, caller: .current)
+      w.core.onQueued = {}
+      #expect(passes == 1, "an upload pass ran inside the create")
+      let id = try w.index.item(a.inode)!.itemID
+      let cloud = w.cloud
+      let container = w.container
+      #expect(try runBlocking { try await cloud.item(container, itemID: id) } == nil, "the new file went up empty")
+      _ = try Data("content".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+      w.core.release(opened.handle)
+      try w.drainUploads()
+      #expect(try runBlocking { try await cloud.item(container, itemID: id) }?.size == 7)
+    }
+  }
+
+  /// A cache file left under a new file's inode number (a power loss rolled the index back past
+  /// an insert whose file's name survived, and the mount's sweep missed it) is not the new
+  /// file's content: the new file starts empty.
+  @Test func aNewFileNeverShowsAStaleCacheFilesBytes() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      let first = try w.writeFile("first", Data("1".utf8))
+      for (i, name) in ["created", "made"].enumerated() {
+        let next = first + 1 + Int64(i)
+        #expect(FileManager.default.createFile(atPath: w.core.cache.path(next), contents: Data("stale bytes".utf8)))
+        let inode: Int64
+        if name == "created" {
+          let (a, opened) = try w.core.create(parent: w.documents, name: name, mode: 0o644, caller: .current)
+          _ = try Data("x".utf8).withUnsafeBytes { try w.core.write(opened.handle, $0, offset: 0) }
+          w.core.release(opened.handle)
+          inode = a.inode
+        } else {
+          inode = try w.core.mknod(parent: w.documents, name: name, mode: S_IFREG | 0o644, caller: .current).inode
+        }
+        #expect(inode == next, "the test's guess of the next inode number")
+        #expect(try w.readFile(name) == (name == "created" ? Data("x".utf8) : Data()), "\(name)")
+      }
+      try w.drainUploads()
+      let row = try w.index.item(first + 1)!
+      #expect(try runBlocking { try await w.cloud.item(w.container, itemID: row.itemID) }?.size == 1)
+    }
+  }
+
   /// A power loss can keep the index commit of a close (any later synced commit makes it
   /// durable) and lose the cache file's bytes, which nobody fsync'ed: here the cache file is cut
   /// back to what such a loss leaves. After the restart the file shows what its cache file holds
