@@ -11,9 +11,16 @@ import UbiqCore
 /// name changes only under its inode lock.
 public final class ContentCache: @unchecked Sendable {
   public let directory: String
+  /// Makes the folder's entries durable: `fsyncDirectory` (tests slow it down).
+  let syncFolder: @Sendable (String) throws -> Void
 
-  public init(directory: String) throws {
+  public convenience init(directory: String) throws {
+    try self.init(directory: directory, syncFolder: ContentCache.fsyncDirectory)
+  }
+
+  init(directory: String, syncFolder: @escaping @Sendable (String) throws -> Void) throws {
     self.directory = directory
+    self.syncFolder = syncFolder
     try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
   }
 
@@ -72,7 +79,7 @@ public final class ContentCache: @unchecked Sendable {
       }
       guard changed else { return }
       do {
-        try Self.fsyncDirectory(directory)
+        try syncFolder(directory)
       } catch {
         lock.withLock { namesChanged = true }
         throw error

@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import Testing
 import UbiqCloud
 import UbiqCloudAPI
@@ -15,6 +16,42 @@ import UbiqIndex
 /// The content state machine of a file (`FileContent`): each transition the core and the sync
 /// layer make moves the state shown in `user.ubiq.content_state` as the diagram says.
 @Suite(.serialized) struct FileContentTests {
+  /// A thread that finds the cache folder unchanged since another thread's fsync of it began
+  /// returns only when that fsync has finished: a new cache file's name is durable when
+  /// `syncDirectory` returns, whichever thread ran the fsync.
+  @Test func aFolderSyncReturnsOnlyAfterTheSyncInFlightFinishes() async throws {
+    let entered = DispatchSemaphore(value: 0)
+    let proceed = DispatchSemaphore(value: 0)
+    let calls = Mutex(0)
+    let dir = FileManager.default.temporaryDirectory.appendingPathComponent("cache-\(UUID().uuidString)").path
+    defer { try? FileManager.default.removeItem(atPath: dir) }
+    let cache = try ContentCache(directory: dir) { path in
+      if calls.withLock({ n in
+        n += 1
+        return n
+      }) == 1 {
+        entered.signal()
+        proceed.wait()
+      }
+      try ContentCache.fsyncDirectory(path)
+    }
+    close(try cache.open(7, create: true))
+    let first = Thread { try? cache.syncDirectory() }
+    first.start()
+    entered.wait()  // the first fsync is in flight, the change it covers already taken
+    let secondReturned = Mutex(false)
+    let second = Thread {
+      try? cache.syncDirectory()
+      secondReturned.withLock { $0 = true }
+    }
+    second.start()
+    usleep(200_000)
+    #expect(!secondReturned.withLock { $0 }, "returned while the fsync that covers the new name was still running")
+    proceed.signal()
+    for _ in 0..<500 where !secondReturned.withLock({ $0 }) { usleep(10_000) }
+    #expect(secondReturned.withLock { $0 })
+  }
+
   static func state(_ w: CoreWorld, _ inode: Int64) throws -> String {
     guard case .value(let v) = try w.core.getxattr(inode, name: "user.ubiq.content_state", size: 4096) else {
       throw UbiqError.io("no value")
