@@ -297,23 +297,20 @@ public final class IndexStore: @unchecked Sendable {
   /// for anything else): what a getattr answers, in one read. The kernel asks for a folder's
   /// attributes again after every create or unlink in it.
   public func itemWithSubdirectoryCount(_ inode: Int64) throws -> (row: ItemRow, subdirectories: Int)? {
-    let dir = ItemKind.directory.rawValue
-    return try readOne { db in
-      try Row.fetchOne(
-        db.cached(
-          """
-          SELECT i.*, CASE WHEN i.kind = ? THEN
-            (SELECT count(*) FROM items WHERE parent = i.id AND kind = ?) ELSE 0 END AS subdirectories
-          FROM items i WHERE i.id = ?
-          """), arguments: [dir, dir, inode]
-      ).map { (try ItemRow(row: $0), $0["subdirectories"]) }
-    }
+    try rowWithSubdirectoryCount(where: "i.id = ?", [inode])
   }
 
   /// The child `name` of `parent`, with its subdirectory count as `itemWithSubdirectoryCount`
   /// gives it: what a lookup answers, in one read.
   public func childWithSubdirectoryCount(
     of parent: Int64, named name: String
+  ) throws -> (row: ItemRow, subdirectories: Int)? {
+    try rowWithSubdirectoryCount(where: "i.parent = ? AND i.name = ?", [parent, name])
+  }
+
+  /// The row of `items i` that `condition` selects, and its subdirectory count.
+  private func rowWithSubdirectoryCount(
+    where condition: String, _ arguments: StatementArguments
   ) throws -> (row: ItemRow, subdirectories: Int)? {
     let dir = ItemKind.directory.rawValue
     return try readOne { db in
@@ -322,8 +319,8 @@ public final class IndexStore: @unchecked Sendable {
           """
           SELECT i.*, CASE WHEN i.kind = ? THEN
             (SELECT count(*) FROM items WHERE parent = i.id AND kind = ?) ELSE 0 END AS subdirectories
-          FROM items i WHERE i.parent = ? AND i.name = ?
-          """), arguments: [dir, dir, parent, name]
+          FROM items i WHERE \(condition)
+          """), arguments: [dir, dir] + arguments
       ).map { (try ItemRow(row: $0), $0["subdirectories"]) }
     }
   }
