@@ -60,7 +60,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           """)
       let rows = try Row.fetchAll(db, sql: "SELECT rowid, record FROM items")
       for row in rows {
-        let item = try Self.decoder.decode(CloudItem.self, from: row["record"] as Data)
+        let item = try RecordJSON.decodeStored(row["record"] as Data)
         try db.execute(
           sql: "UPDATE items SET parentID = ?, name = ? WHERE rowid = ?",
           arguments: [item.parentID, item.name, row["rowid"] as Int64])
@@ -157,7 +157,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       try Data.fetchOne(
         db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
         arguments: [account, container, itemID]
-      ).map { try Self.decoder.decode(CloudItem.self, from: $0) }
+      ).map { try RecordJSON.decodeStored($0) }
     }
   }
 
@@ -169,7 +169,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
           db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID IN (\(marks))",
           arguments: StatementArguments([account, container] + slice))
         {
-          let item = try Self.decoder.decode(CloudItem.self, from: data)
+          let item = try RecordJSON.decodeStored(data)
           found[item.itemID] = item
         }
       }
@@ -334,7 +334,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     try Data.fetchOne(
       db.cached("SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?"),
       arguments: [account, container, itemID]
-    ).map { StoredRecord(item: try decoder.decode(CloudItem.self, from: $0), bytes: Int64($0.count)) }
+    ).map { StoredRecord(item: try RecordJSON.decodeStored($0), bytes: Int64($0.count)) }
   }
 
   /// The written item's `TreeSnapshot`, inside the commit's transaction.
@@ -347,7 +347,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         db.cached(
           "SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND deleted = 0 LIMIT 1"),
         arguments: [account, container, item.itemID]
-      ).map { try decoder.decode(CloudItem.self, from: $0) }
+      ).map { try RecordJSON.decodeStored($0) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
     }
     var ancestors: [CloudItem] = []
@@ -367,7 +367,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         SELECT record FROM items WHERE account = ? AND container = ? AND parentID = ? AND name = ?
         AND deleted = 0 AND itemID <> ? LIMIT 1
         """), arguments: [account, container, item.parentID, item.name, item.itemID]
-    ).map { try decoder.decode(CloudItem.self, from: $0) }
+    ).map { try RecordJSON.decodeStored($0) }
     return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
 
@@ -413,11 +413,11 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   {
     try await pool.read { db in
       let rows = try Row.fetchAll(
-        db,
-        sql: """
+        db.cached(
+          """
           SELECT changeSeq, record FROM items WHERE account = ? AND container = ? AND changeSeq > ?
           ORDER BY changeSeq LIMIT ?
-          """, arguments: [account, container, since, limit + 1]
+          """), arguments: [account, container, since, limit + 1]
       ).map { (seq: $0["changeSeq"] as Int64, record: $0["record"] as Data) }
       return StoredChangePage.page(of: rows, since: since, limit: limit, maxBytes: maxBytes)
     }
@@ -426,7 +426,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func lastChange(account: String, container: String) async throws -> Int64 {
     try await pool.read { db in
       try Int64.fetchOne(
-        db, sql: "SELECT lastSeq FROM containers WHERE account = ? AND container = ?",
+        db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
         arguments: [account, container]) ?? 0
     }
   }
@@ -522,7 +522,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         let records = try Data.fetchCursor(
           db, sql: "SELECT record FROM items WHERE account = ?", arguments: [account])
         while let data = try records.next() {
-          referenced.formUnion(CloudEngine.referencedChunks(try Self.decoder.decode(CloudItem.self, from: data)))
+          referenced.formUnion(CloudEngine.referencedChunks(try RecordJSON.decodeStored(data)))
         }
         for hash in stale where !referenced.contains(hash) {
           try db.execute(

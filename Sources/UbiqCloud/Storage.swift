@@ -101,9 +101,7 @@ public struct StoredChangePage: Sendable {
 
   /// The page with its records decoded.
   public func decoded() throws -> ChangeBatch {
-    let decoder = JSONDecoder()
-    return ChangeBatch(
-      items: try records.map { try decoder.decode(CloudItem.self, from: $0) }, token: token, hasMore: hasMore)
+    ChangeBatch(items: try records.map { try RecordJSON.decodeStored($0) }, token: token, hasMore: hasMore)
   }
 
   /// The page as the change feed's JSON answer, `{"items": [...], "token": N, "hasMore": bool}`,

@@ -258,3 +258,39 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     }
   }
 }
+
+extension ChangeBatch: JSONReadable {
+  public static func read(from reader: inout JSONReader) throws -> ChangeBatch {
+    var items: [CloudItem]?
+    var token: Int64?
+    var hasMore: Bool?
+    try reader.object { r, key in
+      switch key {
+      case "items": items = try r.array { try CloudItem.read(from: &$0) }
+      case "token": token = try r.integer(field: key)
+      case "hasMore": hasMore = try r.bool(field: key)
+      default: try r.skipValue()
+      }
+    }
+    guard let items else { throw JSONReader.Failure.missing(field: "items") }
+    guard let token else { throw JSONReader.Failure.missing(field: "token") }
+    guard let hasMore else { throw JSONReader.Failure.missing(field: "hasMore") }
+    return ChangeBatch(items: items, token: token, hasMore: hasMore)
+  }
+}
+
+extension ItemPut: JSONReadable {
+  public static func read(from reader: inout JSONReader) throws -> ItemPut {
+    var item: CloudItem?
+    var ifMatch: String?
+    try reader.object { r, key in
+      switch key {
+      case "item": item = try CloudItem.read(from: &r)
+      case "ifMatch": ifMatch = try r.optionalString(field: key)
+      default: try r.skipValue()
+      }
+    }
+    guard let item else { throw JSONReader.Failure.missing(field: "item") }
+    return ItemPut(item: item, ifMatch: ifMatch)
+  }
+}

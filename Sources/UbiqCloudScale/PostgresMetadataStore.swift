@@ -331,7 +331,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         try await conn.query(
           "SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)",
           logger: log), String.self
-      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+      ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
     }
   }
 
@@ -346,7 +346,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = ANY(\(slice))
           """, logger: log
         ).decode(String.self) {
-          let item = try Self.decoder.decode(CloudItem.self, from: Data(record.utf8))
+          let item = try RecordJSON.decodeStored(Data(record.utf8))
           found[item.itemID] = item
         }
       }
@@ -475,7 +475,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
         "SELECT record FROM items WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)",
         logger: log), String.self
     ).map {
-      StoredRecord(item: try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)), bytes: Int64($0.utf8.count))
+      StoredRecord(item: try RecordJSON.decodeStored(Data($0.utf8)), bytes: Int64($0.utf8.count))
     }
   }
 
@@ -490,7 +490,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           SELECT record FROM items WHERE account = \(account) AND container = \(container)
           AND parent_id = \(item.itemID) AND NOT deleted LIMIT 1
           """, logger: log), String.self
-      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+      ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
     }
     var ancestors: [CloudItem] = []
@@ -511,7 +511,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           SELECT record FROM items WHERE account = \(account) AND container = \(container)
           AND parent_id = \(parentID) AND name = \(item.name) AND NOT deleted AND item_id <> \(item.itemID) LIMIT 1
           """, logger: log), String.self
-      ).map { try Self.decoder.decode(CloudItem.self, from: Data($0.utf8)) }
+      ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
     }
     return TreeSnapshot(ancestors: ancestors, namesake: namesake)
   }
@@ -675,7 +675,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           "SELECT record FROM items WHERE account = \(account)", logger: log
         ).decode(String.self) {
           referenced.formUnion(
-            CloudEngine.referencedChunks(try Self.decoder.decode(CloudItem.self, from: Data(json.utf8))))
+            CloudEngine.referencedChunks(try RecordJSON.decodeStored(Data(json.utf8))))
         }
         let candidates = stale.filter { !referenced.contains($0) }
         for batch in stride(from: 0, to: candidates.count, by: 1000) {

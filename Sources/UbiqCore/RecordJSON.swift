@@ -163,3 +163,136 @@ public enum RecordJSON {
     out.append(UInt8(ascii: "\""))
   }
 }
+
+extension RecordJSON {
+  /// Reads a `CloudItem` written as JSON without `JSONDecoder`: the same values its `Decodable`
+  /// conformance reads (keys in any order, unknown keys skipped, null or absent optionals are
+  /// nil, `Data` is base64), more strictly (see `JSONReader`). The stores read every record they
+  /// keep this way, the server every record it is sent, the client every record it receives.
+  public static func decode(_ data: Data) throws -> CloudItem {
+    try JSONReader.read(data) { try item(&$0) }
+  }
+
+  /// Reads a record this program stored or was sent by a server: `decode`, and if that refuses
+  /// the text, `JSONDecoder` (text that only the generic decoder reads, from another writer, is
+  /// still read as before).
+  public static func decodeStored(_ data: Data) throws -> CloudItem {
+    if let item = try? decode(data) { return item }
+    return try JSONDecoder().decode(CloudItem.self, from: data)
+  }
+
+  /// Reads a JSON array of records.
+  public static func decodeArray(_ data: Data) throws -> [CloudItem] {
+    try JSONReader.read(data) { try $0.array { try item(&$0) } }
+  }
+
+  /// Reads one record at the reader's position.
+  static func item(_ r: inout JSONReader) throws -> CloudItem {
+    var itemID: String?
+    var parentID: String?
+    var name: String?
+    var kind: ItemKind?
+    var mode: UInt32?
+    var size: Int64?
+    var mtimeNs: Int64?
+    var symlinkTarget: String?
+    var xattrs: [String: Data]?
+    var chunks: [ChunkRef]?
+    var etag: String?
+    var deleted: Bool?
+    var changeSeq: Int64?
+    var deviceID: String?
+    var contentDeviceID: String?
+    var conflicts: [ConflictVersion]?
+    try r.object { r, key in
+      switch key {
+      case "itemID": itemID = try r.string(field: key)
+      case "parentID": parentID = try r.optionalString(field: key)
+      case "name": name = try r.string(field: key)
+      case "kind":
+        guard let k = ItemKind(rawValue: try r.integer(Int.self, field: key)) else {
+          throw JSONReader.Failure.wrongType(field: key)
+        }
+        kind = k
+      case "mode": mode = try r.integer(field: key)
+      case "size": size = try r.integer(field: key)
+      case "mtimeNs": mtimeNs = try r.integer(field: key)
+      case "symlinkTarget": symlinkTarget = try r.optionalString(field: key)
+      case "xattrs":
+        var values: [String: Data] = [:]
+        try r.object { r, name in
+          guard let value = Data(base64Encoded: try r.string(field: "xattrs.\(name)")) else {
+            throw JSONReader.Failure.wrongType(field: "xattrs.\(name)")
+          }
+          values[name] = value
+        }
+        xattrs = values
+      case "chunks": chunks = try r.array { try chunk(&$0) }
+      case "etag": etag = try r.string(field: key)
+      case "deleted": deleted = try r.bool(field: key)
+      case "changeSeq": changeSeq = try r.integer(field: key)
+      case "deviceID": deviceID = try r.string(field: key)
+      case "contentDeviceID": contentDeviceID = try r.optionalString(field: key)
+      case "conflicts": conflicts = try r.null() ? nil : r.array { try conflictVersion(&$0) }
+      default: try r.skipValue()
+      }
+    }
+    func required<T>(_ value: T?, _ field: String) throws -> T {
+      guard let value else { throw JSONReader.Failure.missing(field: field) }
+      return value
+    }
+    var out = CloudItem(
+      itemID: try required(itemID, "itemID"), parentID: parentID, name: try required(name, "name"),
+      kind: try required(kind, "kind"), mode: try required(mode, "mode"), size: try required(size, "size"),
+      mtimeNs: try required(mtimeNs, "mtimeNs"), symlinkTarget: symlinkTarget,
+      xattrs: try required(xattrs, "xattrs"), chunks: try required(chunks, "chunks"), etag: try required(etag, "etag"),
+      deleted: try required(deleted, "deleted"), changeSeq: try required(changeSeq, "changeSeq"),
+      deviceID: try required(deviceID, "deviceID"))
+    out.contentDeviceID = contentDeviceID
+    out.conflicts = conflicts
+    return out
+  }
+
+  static func chunk(_ r: inout JSONReader) throws -> ChunkRef {
+    var hash: String?
+    var length: Int64?
+    try r.object { r, key in
+      switch key {
+      case "hash": hash = try r.string(field: "chunks.hash")
+      case "length": length = try r.integer(field: "chunks.length")
+      default: try r.skipValue()
+      }
+    }
+    guard let hash else { throw JSONReader.Failure.missing(field: "hash") }
+    guard let length else { throw JSONReader.Failure.missing(field: "length") }
+    return ChunkRef(hash: hash, length: length)
+  }
+
+  static func conflictVersion(_ r: inout JSONReader) throws -> ConflictVersion {
+    var versionID: String?
+    var deviceID: String?
+    var mtimeNs: Int64?
+    var size: Int64?
+    var chunks: [ChunkRef]?
+    try r.object { r, key in
+      switch key {
+      case "versionID": versionID = try r.string(field: "conflicts.versionID")
+      case "deviceID": deviceID = try r.string(field: "conflicts.deviceID")
+      case "mtimeNs": mtimeNs = try r.integer(field: "conflicts.mtimeNs")
+      case "size": size = try r.integer(field: "conflicts.size")
+      case "chunks": chunks = try r.array { try chunk(&$0) }
+      default: try r.skipValue()
+      }
+    }
+    guard let versionID else { throw JSONReader.Failure.missing(field: "versionID") }
+    guard let deviceID else { throw JSONReader.Failure.missing(field: "deviceID") }
+    guard let mtimeNs else { throw JSONReader.Failure.missing(field: "mtimeNs") }
+    guard let size else { throw JSONReader.Failure.missing(field: "size") }
+    guard let chunks else { throw JSONReader.Failure.missing(field: "chunks") }
+    return ConflictVersion(versionID: versionID, deviceID: deviceID, mtimeNs: mtimeNs, size: size, chunks: chunks)
+  }
+}
+
+extension CloudItem: JSONReadable {
+  public static func read(from reader: inout JSONReader) throws -> CloudItem { try RecordJSON.item(&reader) }
+}

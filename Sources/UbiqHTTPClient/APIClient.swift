@@ -199,7 +199,14 @@ public struct APIClient: Sendable {
     return String(decoding: bytes, as: UTF8.self)
   }
 
+  /// Decodes an answer: a type `JSONReader` reads directly is read so (falling back to
+  /// `JSONDecoder` for text only the generic decoder reads).
   public func json<T: Decodable>(_ type: T.Type, _ data: Data) throws -> T {
+    if let readable = T.self as? JSONReadable.Type,
+      let value = try? JSONReader.read(data, { try readable.read(from: &$0) }) as? T
+    {
+      return value
+    }
     do { return try Self.decoder.decode(T.self, from: data) } catch {
       throw CloudError.unavailable("the server sent an unreadable \(T.self): \(error)")
     }

@@ -64,9 +64,23 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
   }
 
   /// The answer to a batch of versions or deletes.
-  struct BatchResponse: Decodable {
+  struct BatchResponse: Decodable, JSONReadable {
     var committed: [CloudItem]
     var refused: Refused?
+
+    static func read(from reader: inout JSONReader) throws -> BatchResponse {
+      var committed: [CloudItem]?
+      var refused: Refused?
+      try reader.object { r, key in
+        switch key {
+        case "committed": committed = try r.array { try CloudItem.read(from: &$0) }
+        case "refused": refused = try r.null() ? nil : JSONDecoder().decode(Refused.self, from: r.rawValue())
+        default: try r.skipValue()
+        }
+      }
+      guard let committed else { throw JSONReader.Failure.missing(field: "committed") }
+      return BatchResponse(committed: committed, refused: refused)
+    }
   }
   /// A refused version: an error body with the status a single PUT would have answered.
   struct Refused: Codable {

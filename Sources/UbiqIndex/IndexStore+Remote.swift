@@ -239,7 +239,7 @@ extension IndexStore {
     var place = row.baseItem
     if let data = try Data.fetchOne(
       db.cached("SELECT record FROM heldRemote WHERE itemID = ?"), arguments: [row.itemID]),
-      let held = try? JSONDecoder().decode(CloudItem.self, from: data), !held.deleted
+      let held = try? RecordJSON.decodeStored(data), !held.deleted
     {
       place = held
     }
@@ -472,7 +472,7 @@ extension IndexStore {
   public func heldRemote() throws -> [CloudItem] {
     try pool.read { db in
       try Data.fetchAll(db.cached("SELECT record FROM heldRemote ORDER BY changeSeq")).map {
-        try JSONDecoder().decode(CloudItem.self, from: $0)
+        try RecordJSON.decodeStored($0)
       }
     }
   }

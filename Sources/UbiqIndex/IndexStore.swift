@@ -207,9 +207,15 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
-  public func child(of parent: Int64, named name: String) throws -> ItemRow? {
-    try readOne { db in
-      try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name])
+  /// The local item and etag of each of `itemIDs` that is here, read in one transaction.
+  public func etags(itemIDs: [String]) throws -> [String: (inode: Int64, etag: String?)] {
+    try pool.read { db in
+      var found: [String: (inode: Int64, etag: String?)] = [:]
+      let statement = try db.cached("SELECT id, etag FROM items WHERE itemID = ?")
+      for itemID in itemIDs {
+        if let row = try Row.fetchOne(statement, arguments: [itemID]) { found[itemID] = (row["id"], row["etag"]) }
+      }
+      return found
     }
   }
 

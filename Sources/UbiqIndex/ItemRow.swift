@@ -82,7 +82,7 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
 
   public var baseItem: CloudItem? {
     guard let base, let d = base.data(using: .utf8) else { return nil }
-    return try? JSONDecoder().decode(CloudItem.self, from: d)
+    return try? RecordJSON.decodeStored(d)
   }
 
   public var conflictList: [ConflictVersion] {

@@ -39,6 +39,19 @@ enum HTTPHelpers {
     if data.starts(with: [0xEF, 0xBB, 0xBF]) {
       throw APIError.badRequest("bad_json", "the request body starts with a byte-order mark")
     }
+    if let readable = T.self as? JSONReadable.Type {
+      // The reader refuses a key twice in one object itself.
+      do {
+        guard let value = try JSONReader.read(data, { try readable.read(from: &$0) }) as? T else {
+          throw APIError.badRequest("bad_json", "the request body is not valid JSON for \(T.self)")
+        }
+        return value
+      } catch JSONReader.Failure.invalidUTF8 {
+        throw APIError.badRequest("invalid_utf8", "the request body escapes an unpaired UTF-16 surrogate")
+      } catch let failure as JSONReader.Failure {
+        throw APIError.badRequest("bad_json", failure.description)
+      }
+    }
     if let key = duplicateKey(data) {
       throw APIError.badRequest("bad_json", "the key '\(key.prefix(80))' appears twice in one object")
     }

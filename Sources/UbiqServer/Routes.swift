@@ -184,8 +184,17 @@ struct APIRoutes: Sendable {
   }
 
   /// The body of `POST .../items`: item versions, committed in order in one transaction.
-  struct PutItemsRequest: Decodable {
+  struct PutItemsRequest: Decodable, JSONReadable {
     var puts: [ItemPut]
+
+    static func read(from reader: inout JSONReader) throws -> PutItemsRequest {
+      var puts: [ItemPut]?
+      try reader.object { r, key in
+        if key == "puts" { puts = try r.array { try ItemPut.read(from: &$0) } } else { try r.skipValue() }
+      }
+      guard let puts else { throw JSONReader.Failure.missing(field: "puts") }
+      return PutItemsRequest(puts: puts)
+    }
   }
 
   @Sendable func putItems(_ request: Request, context: Ctx) async throws -> Response {

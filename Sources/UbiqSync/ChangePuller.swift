@@ -60,8 +60,9 @@ public final class ChangePuller: @unchecked Sendable {
     var deferred: [CloudItem] = []
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
+      let known = try index.etags(itemIDs: batch.items.map(\.itemID))
       for item in batch.items {
-        let r = try apply(item, collisions: .deferUnchangedHolders)
+        let r = try apply(item, collisions: .deferUnchangedHolders, known: known[item.itemID])
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
       // Parents may come later in the feed than their children (moves), and the item holding a
@@ -138,11 +139,14 @@ public final class ChangePuller: @unchecked Sendable {
   }
 
   /// Applies one record. `holding`: a record the item's local changes block is kept (see
-  /// `IndexStore.holdRemote`) and applied by a later pull, once they are done.
+  /// `IndexStore.holdRemote`) and applied by a later pull, once they are done. `known`: the
+  /// item's inode and etag here, read with the rest of its page (an item not found then is
+  /// looked up again).
   func apply(
-    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true
+    _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true,
+    known: (inode: Int64, etag: String?)? = nil
   ) throws -> RemoteApplyResult {
-    guard let (inode, etag) = try index.etag(itemID: item.itemID) else {
+    guard let (inode, etag) = try known ?? index.etag(itemID: item.itemID) else {
       return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write

@@ -167,8 +167,9 @@ public final class InodeTable: @unchecked Sendable {
   public func openFileState(_ inode: Int64, anyHandle: Bool = false) -> (size: Int64?, pendingMtimeNs: Int64?)? {
     lock.withLock {
       guard let state = states[inode], !state.handles.isEmpty else { return nil }
-      let open = state.handles.values.filter { $0.fd != nil }
-      let fd = (open.first { $0.writable } ?? (anyHandle ? open.first : nil))?.fd
+      let handles = state.handles.values
+      let withFile = handles.first { $0.writable && $0.fd != nil } ?? (anyHandle ? handles.first { $0.fd != nil } : nil)
+      let fd = withFile?.fd
       var st = stat()
       let size = fd.flatMap { fstat($0, &st) == 0 ? Int64(st.st_size) : nil }
       return (size, state.pendingMtimeNs)

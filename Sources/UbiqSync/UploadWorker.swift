@@ -676,7 +676,7 @@ public final class UploadWorker: @unchecked Sendable {
       } else if empty == .withoutCacheFile {
         // No bytes that a power loss could take: the file is empty without a cache file.
         chunks = []
-        try content.bytesDurable(inode, upTo: row.revision)
+        if snap.contentUnsynced { try content.bytesDurable(inode, upTo: row.revision) }
       } else if empty == .emptyCacheFile && !snap.contentUnsynced {
         // Created and never written, or emptied durably: no bytes to read, send or sync.
         chunks = []
@@ -689,9 +689,10 @@ public final class UploadWorker: @unchecked Sendable {
           try content.cacheFileDisagrees(inode, size: size)
           throw Postpone(ns: 50_000_000)
         }
-        // The cache file was fdatasync'ed after this revision was recorded.
+        // The cache file was fdatasync'ed after this revision was recorded. A mark the snapshot
+        // did not show is of a later revision: it stays.
         try cache.syncDirectory()
-        try content.bytesDurable(inode, upTo: row.revision)
+        if snap.contentUnsynced { try content.bytesDurable(inode, upTo: row.revision) }
       } else {
         chunks = row.chunkList
       }
