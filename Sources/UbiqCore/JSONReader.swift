@@ -34,8 +34,8 @@ public struct JSONReader {
       switch self {
       case .syntax(let offset): return "not valid JSON at byte \(offset)"
       case .invalidUTF8(let offset): return "a string at byte \(offset) is not valid UTF-8"
-      case .wrongType(let field): return "wrong type at '\(field)'"
-      case .missing(let field): return "missing field '\(field)'"
+      case .wrongType(let field): return "wrong type at '\(field.prefix(80))'"
+      case .missing(let field): return "missing field '\(field.prefix(80))'"
       case .duplicateKey(let key): return "the key '\(key.prefix(80))' appears twice in one object"
       case .tooDeep: return "nested deeper than \(JSONReader.maxDepth) levels"
       }

@@ -102,6 +102,7 @@ public final class Daemon {
     do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
     fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
+    puller.commitInFlight = { worker.isCommitting($0) }
     puller.onApplied = { fs.remoteChangesApplied($0) }
     puller.onRecovered = {
       try? index.retryAllNow()

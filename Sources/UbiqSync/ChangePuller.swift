@@ -27,6 +27,11 @@ public final class ChangePuller: @unchecked Sendable {
   public var onRecovered: () -> Void = {}
   /// Running downloads: a remote version replacing a file's content detaches its download.
   public var downloader: Downloader?
+  /// Whether the uploader has a version of the item in a commit whose answer it has not
+  /// recorded yet (`UploadWorker.isCommitting`).
+  public var commitInFlight: (Int64) -> Bool = { _ in false }
+  /// The longest a page of the feed waits for the answers of such commits.
+  public var echoWaitNs: UInt64 = 1_000_000_000
   /// The content transitions, over this puller's index, cache, inode table and downloader.
   var content: FileContent {
     FileContent(index: index, cache: cache, inodes: inodes, downloads: downloader, logger: log)
@@ -60,7 +65,7 @@ public final class ChangePuller: @unchecked Sendable {
     var deferred: [CloudItem] = []
     while true {
       let batch = try await cloud.changes(container, since: token, limit: 500)
-      let known = try index.etags(itemIDs: batch.items.map(\.itemID))
+      let known = try await localEtags(of: batch.items)
       for item in batch.items {
         let r = try apply(item, collisions: .deferUnchangedHolders, known: known[item.itemID])
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
@@ -113,6 +118,27 @@ public final class ChangePuller: @unchecked Sendable {
     return effective
   }
 
+  /// The local inode and etag of each of `items` that is here, read once the uploader has
+  /// recorded the answers of its commits in flight for any of them (at most `echoWaitNs`). The
+  /// cloud's push about a commit can come before the commit's answer: a record of this device's
+  /// own version found before its answer is recorded is not recognized as an echo, and is held
+  /// back and released again (two index writes) instead.
+  func localEtags(of items: [CloudItem]) async throws -> [String: (inode: Int64, etag: String?)] {
+    var known = try index.etags(itemIDs: items.map(\.itemID))
+    var waitedNs: UInt64 = 0
+    let stepNs: UInt64 = 5_000_000
+    while waitedNs < echoWaitNs,
+      items.contains(where: { item in
+        known[item.itemID].map { $0.etag != item.etag && commitInFlight($0.inode) } ?? false
+      })
+    {
+      try await Task.sleep(nanoseconds: stepNs)
+      waitedNs += stepNs
+      known = try index.etags(itemIDs: items.map(\.itemID))
+    }
+    return known
+  }
+
   /// Applies the records held back earlier because their items had local changes, in change
   /// order, while that makes progress. A record still blocked (local changes, or its parent is
   /// not here yet) stays held.
@@ -140,13 +166,16 @@ public final class ChangePuller: @unchecked Sendable {
 
   /// Applies one record. `holding`: a record the item's local changes block is kept (see
   /// `IndexStore.holdRemote`) and applied by a later pull, once they are done. `known`: the
-  /// item's inode and etag here, read with the rest of its page (an item not found then is
-  /// looked up again).
+  /// item's inode and etag here, read with the rest of its page: enough to recognize the echo
+  /// of an upload (an etag only moves forward); anything else is looked up again.
   func apply(
     _ item: CloudItem, collisions: IndexStore.NameCollisionPolicy = .settle, holding: Bool = true,
     known: (inode: Int64, etag: String?)? = nil
   ) throws -> RemoteApplyResult {
-    guard let (inode, etag) = try known ?? index.etag(itemID: item.itemID) else {
+    if let known, !item.deleted, known.etag == item.etag {
+      return RemoteApplyResult(outcome: .unchanged, inode: known.inode)
+    }
+    guard let (inode, etag) = try index.etag(itemID: item.itemID) else {
       return try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
     // The echo of our own upload: nothing to write (applyRemote would say the same, in a write

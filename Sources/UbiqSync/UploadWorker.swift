@@ -75,6 +75,9 @@ public final class UploadWorker: @unchecked Sendable {
     lock.withLock { sending[inode] != nil || committing.contains(inode) }
   }
 
+  /// Whether a version of `inode` is in a commit whose answer is not recorded yet.
+  public func isCommitting(_ inode: Int64) -> Bool { lock.withLock { committing.contains(inode) } }
+
   /// Percent uploaded of `inode` if its upload is in flight.
   public func percent(_ inode: Int64) -> Int? {
     lock.withLock {

@@ -3,6 +3,7 @@ import Testing
 import UbiqCloud
 import UbiqCloudAPI
 import UbiqCore
+import UbiqIndex
 
 @testable import UbiqSync
 
@@ -56,6 +57,40 @@ import UbiqCore
         }
         try checkThat(names == ["f7"], "d holds only f7, not \(names)")
       }
+    }
+  }
+
+  /// The cloud's push about a commit can come before the commit's answer: a pull then meets
+  /// this device's own versions before the uploader has recorded them. It waits for the answer
+  /// and finds the echoes, instead of holding each record back (an index write) to release it
+  /// at a later pull (another).
+  @Test func aPullThatMeetsItsOwnVersionsBeforeTheirAnswerWaitsForIt() async throws {
+    try await onOwnThread {
+      let (counted, a, _) = try twoDevices()
+      let worker = try #require(a.worker)
+      let puller = try #require(a.puller)
+      puller.commitInFlight = { worker.isCommitting($0) }
+      for i in 0..<5 { try a.writeFile("f\(i)", Data("\(i)".utf8)) }
+      let pull = LockedBox<Task<[RemoteApplyResult], Error>>()
+      let held = LockedBox<[String]>()
+      counted.afterPutItems = {
+        guard pull.get() == nil else { return }
+        let task = Task {
+          let results = try await puller.pullOnce()
+          held.set(try a.index.heldRemote().map(\.name))
+          return results
+        }
+        pull.set(task)
+        // The answer comes late: the pull has long had the records by then.
+        try? await Task.sleep(nanoseconds: 200_000_000)
+      }
+      try a.drainUploads()
+      counted.afterPutItems = nil
+      let task = try #require(pull.get())
+      let results = try runBlocking { try await task.value }
+      try checkThat(held.get() == [], "records held back: \(held.get() ?? [])")
+      try checkThat(results.isEmpty, "the pull applied \(results.map(\.outcome))")
+      try checkThat(try a.index.dueQueue(now: Int64.max / 2, limit: 10).isEmpty, "a's queue is empty")
     }
   }
 

@@ -233,10 +233,14 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       namesSent += puts.map(\.item.name)
       itemRequestsSent += 1
     }
-    return try await write("puts \(puts.map { "\($0.item.itemID) \($0.item.name) if-match \($0.ifMatch ?? "-")" })") {
-      [inner] in try await inner.putItems(container, puts)
-    }
+    let results = try await write(
+      "puts \(puts.map { "\($0.item.itemID) \($0.item.name) if-match \($0.ifMatch ?? "-")" })"
+    ) { [inner] in try await inner.putItems(container, puts) }
+    await afterPutItems?()
+    return results
   }
+  /// Runs after a batch of versions is committed, before its answer reaches the client.
+  var afterPutItems: (@Sendable () async -> Void)?
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
