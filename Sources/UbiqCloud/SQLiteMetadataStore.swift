@@ -620,7 +620,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func token(hash tokenHash: String) async throws -> TokenRecord? {
     try await pool.read { db in
-      try Row.fetchOne(db, sql: "SELECT * FROM tokens WHERE hash = ? AND revoked = 0", arguments: [tokenHash])
+      try Row.fetchOne(db.cached("SELECT * FROM tokens WHERE hash = ? AND revoked = 0"), arguments: [tokenHash])
         .map(Self.tokenRecord)
     }
   }
