@@ -64,9 +64,17 @@ public final class ChangePuller: @unchecked Sendable {
     var all: [RemoteApplyResult] = []
     var deferred: [CloudItem] = []
     while true {
-      let batch = try await cloud.changes(container, since: token, limit: 500)
+      let since = token
+      let batch = try await cloud.changes(container, since: since, limit: 500)
       let known = try await localEtags(of: batch.items)
       for item in batch.items {
+        // A record at or before the token the page was asked from was applied or held when it
+        // first came (a retried request answered from earlier, a late copy of an old page). For
+        // an item that is not here it is stale: the item's tombstone may be behind the token and
+        // never come again, so it must not make the item again.
+        if item.changeSeq <= since, known[item.itemID] == nil, try index.etag(itemID: item.itemID) == nil {
+          continue
+        }
         let r = try apply(item, collisions: .deferUnchangedHolders, known: known[item.itemID])
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
