@@ -83,7 +83,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="smaller sizes, for testing: 256 MiB instead of 1 GiB, 2k/20k files instead of 10k/100k, "
-                         "a 5k-file tree instead of 30k, 1600 small files instead of 6400, propagation n=10 not 30")
+                         "a 2k-file tree instead of 8k, 1600 small files instead of 6400, propagation n=10 not 30")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"),
                     help="markdown report; the plot goes next to it (same name, .png)")
     ap.add_argument("--results", default=str(ROOT / "bench" / "results.json"), help="raw results (JSON)")

@@ -108,11 +108,11 @@ class Sizes:
 
     @property
     def tree_files(self):  # tree group
-        return 5000 if self.quick else 30000
+        return 2000 if self.quick else 8000
 
     @property
     def tree_bytes(self):
-        return (80 if self.quick else 400) * MIB
+        return (40 if self.quick else 160) * MIB
 
     @property
     def small_copy(self):  # cp -r of small files
