@@ -313,16 +313,17 @@ public final class FilesystemCore: @unchecked Sendable {
   /// returns false (the reply buffer is full). Offsets: 1 = ".", 2 = "..", then 2 + child inode,
   /// a cursor that stays valid while the directory changes.
   public func readdir(_ inode: Int64, offset: Int64, batch: Int = 256, _ add: (DirectoryEntry) -> Bool) throws {
-    let dir = try requireRow(inode)
-    guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
     var offset = offset
-    if offset < 1 {
-      var a = attributes(for: dir)
-      a.inode = inode
-      if !add(DirectoryEntry(name: ".", attributes: a, nextOffset: 1)) { return }
-      offset = 1
-    }
     if offset < 2 {
+      // Past "." and "..", the folder's own row is not needed: the entries are its children.
+      let dir = try requireRow(inode)
+      guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
+      if offset < 1 {
+        var a = attributes(for: dir)
+        a.inode = inode
+        if !add(DirectoryEntry(name: ".", attributes: a, nextOffset: 1)) { return }
+        offset = 1
+      }
       var a = attributes(for: dir)
       a.inode = dir.parent ?? inode
       if !add(DirectoryEntry(name: "..", attributes: a, nextOffset: 2)) { return }

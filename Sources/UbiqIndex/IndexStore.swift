@@ -45,6 +45,16 @@ public final class IndexStore: @unchecked Sendable {
       pool = try DatabasePool.openAmongProcesses(path: path, configuration: config)
       try Self.migrator.migrateAmongProcesses(pool)
     }
+    try Self.checkItemColumns(pool)
+  }
+
+  /// `ItemRow` decodes rows of `items` by position: the table's columns must start with
+  /// `ItemRow.columnNames`, in that order.
+  static func checkItemColumns(_ reader: any DatabaseReader) throws {
+    let columns = try reader.read { db in try db.columns(in: "items").map(\.name) }
+    guard columns.starts(with: ItemRow.columnNames) else {
+      throw UbiqError.io("the index's items table has columns \(columns), not \(ItemRow.columnNames) first")
+    }
   }
 
   /// `ubiq_reversed(name)`: the name with its Unicode scalars in reverse order (SQLite's GLOB
@@ -145,6 +155,18 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v12-reversed-names") { db in
       try db.execute(sql: "CREATE INDEX items_by_reversed_name ON items(ubiq_reversed(name))")
     }
+    // A folder's entries in inode order, readdir's cursor: each batch is a range of this index,
+    // not a sort of every entry. A folder's subfolders alone, for its link count on every
+    // getattr: only folders are in `items_subfolders`, so a file's create or delete writes
+    // `items_by_parent` and not this one.
+    m.registerMigration("v13-children-in-order") { db in
+      try db.execute(
+        sql: """
+          DROP INDEX items_by_parent_kind;
+          CREATE INDEX items_by_parent ON items(parent);
+          CREATE INDEX items_subfolders ON items(parent, kind) WHERE kind = \(ItemKind.directory.rawValue);
+          """)
+    }
     return m
   }
 
@@ -223,7 +245,7 @@ public final class IndexStore: @unchecked Sendable {
   public func children(of parent: Int64, after: Int64, limit: Int) throws -> [ItemRow] {
     try readOne { db in
       try ItemRow.fetchAll(
-        db, sql: "SELECT * FROM items WHERE parent = ? AND id > ? ORDER BY id LIMIT ?",
+        db.cached("SELECT * FROM items WHERE parent = ? AND id > ? ORDER BY id LIMIT ?"),
         arguments: [parent, after, limit])
     }
   }
@@ -323,10 +345,10 @@ public final class IndexStore: @unchecked Sendable {
       try Row.fetchOne(
         db.cached(
           """
-          SELECT i.*, CASE WHEN i.kind = ? THEN
-            (SELECT count(*) FROM items WHERE parent = i.id AND kind = ?) ELSE 0 END AS subdirectories
+          SELECT i.*, CASE WHEN i.kind = \(dir) THEN
+            (SELECT count(*) FROM items WHERE parent = i.id AND kind = \(dir)) ELSE 0 END AS subdirectories
           FROM items i WHERE \(condition)
-          """), arguments: [dir, dir] + arguments
+          """), arguments: arguments
       ).map { (try ItemRow(row: $0), $0["subdirectories"]) }
     }
   }
@@ -335,8 +357,8 @@ public final class IndexStore: @unchecked Sendable {
   public func subdirectoryCount(_ inode: Int64) throws -> Int {
     try readOne { db in
       try Int.fetchOne(
-        db.cached("SELECT count(*) FROM items WHERE parent = ? AND kind = ?"),
-        arguments: [inode, ItemKind.directory.rawValue]) ?? 0
+        db.cached("SELECT count(*) FROM items WHERE parent = ? AND kind = \(ItemKind.directory.rawValue)"),
+        arguments: [inode]) ?? 0
     }
   }
 

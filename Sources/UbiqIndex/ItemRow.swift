@@ -188,9 +188,55 @@ public struct FailingUpload: Sendable, Codable {
 }
 
 extension ItemRow {
-  /// Decodes a row by column name. Written out because it runs for every lookup, getattr and
-  /// readdir entry: the synthesized `Decodable` path cost more than the query itself.
+  /// The columns of `items` in table order. Every query that reads rows as `ItemRow` selects
+  /// `*` (or `i.*` first), so a row's first columns are these; `IndexStore` checks the table
+  /// against this list when it opens the index.
+  static let columnNames = [
+    "id", "itemID", "parent", "name", "kind", "mode", "uid", "gid", "size", "mtimeNs", "ctimeNs", "atimeNs",
+    "symlinkTarget", "etag", "chunks", "content", "revision", "syncedRevision", "pinned", "excluded",
+    "lastUsedNs", "base", "conflicts",
+  ]
+
+  /// Decodes a row by column position. Written out because it runs for every lookup, getattr
+  /// and readdir entry: the synthesized `Decodable` path cost more than the query itself, and
+  /// a lookup by name lowercases and hashes every column's name. A row with fewer columns
+  /// than `items` (a query that selects some) is decoded by name.
   public init(row: Row) throws {
+    if row.count >= Self.columnNames.count {
+      self.init(positionalRow: row)
+    } else {
+      self.init(namedRow: row)
+    }
+  }
+
+  private init(positionalRow row: Row) {
+    assert(zip(row.columnNames, Self.columnNames).allSatisfy { $0 == $1 }, "not a row of items: \(row)")
+    id = row[0]
+    itemID = row[1]
+    parent = row[2]
+    name = row[3]
+    kind = ItemKind(rawValue: row[4]) ?? .file
+    mode = row[5]
+    uid = row[6]
+    gid = row[7]
+    size = row[8]
+    mtimeNs = row[9]
+    ctimeNs = row[10]
+    atimeNs = row[11]
+    symlinkTarget = row[12]
+    etag = row[13]
+    chunks = row[14]
+    content = ContentState(rawValue: row[15]) ?? .dataless
+    revision = row[16]
+    syncedRevision = row[17]
+    pinned = row[18]
+    excluded = row[19]
+    lastUsedNs = row[20]
+    base = row[21]
+    conflicts = row[22]
+  }
+
+  private init(namedRow row: Row) {
     id = row["id"]
     itemID = row["itemID"]
     parent = row["parent"]

@@ -83,7 +83,37 @@ import UbiqCore
     let found = plans.withLock { $0 }
     #expect(!found.isEmpty, "getattr of a folder counts its subfolders")
     for plan in found {
-      #expect(plan.contains("USING COVERING INDEX") && plan.contains("kind=?"), "\(plan)")
+      #expect(plan.contains("USING COVERING INDEX items_subfolders (parent=? AND kind=?)"), "\(plan)")
+    }
+  }
+
+  /// readdir reads a folder in batches, each from where the last one ended: every batch must
+  /// come in inode order straight from an index of the folder's entries. A sort of every entry
+  /// per batch makes listing a folder of 100,000 entries quadratic, and a walk of the rows by
+  /// inode reads every item after the cursor, of any folder.
+  @Test func aFoldersListingReadsItsEntriesInOrderFromAnIndex() async throws {
+    let statements = Mutex<Set<String>>([])
+    let plans = Mutex<[String]>([])
+    try await onOwnThread {
+      let w = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
+      for i in 0..<5 { try w.writeFile("f\(i)", Data()) }
+      var names: [String] = []
+      try w.core.readdir(w.documents, offset: 0, batch: 16) {
+        names.append($0.name)
+        return true
+      }
+      try checkThat(names.count == 7, "the listing has . .. and five files: \(names)")
+      let listings = statements.withLock { $0 }.filter {
+        $0.uppercased().contains("FROM ITEMS WHERE PARENT = ? AND ID >")
+      }
+      let found = try listings.map { "\($0) -> \(try Self.plan(of: $0, in: w).joined(separator: "; "))" }
+      plans.withLock { $0 = found }
+    }
+    let found = plans.withLock { $0 }
+    #expect(!found.isEmpty, "readdir reads the folder's entries after a cursor")
+    for plan in found {
+      #expect(plan.contains("USING INDEX items_by_parent (parent=? AND rowid>?)"), "\(plan)")
+      #expect(!plan.contains("TEMP B-TREE"), "\(plan)")
     }
   }
 
