@@ -11,15 +11,17 @@ import UbiqCore
 /// Sendable: immutable; concurrent writers of one chunk each use their own temporary file.
 public final class FolderBlobStore: BlobStore, @unchecked Sendable {
   let root: URL
+  /// `root`'s path, for building a chunk's path without `URL` (it is built for every read and write).
+  let rootPath: String
 
   public init(root: URL) throws {
     self.root = root
+    rootPath = root.path
     try FileManager.default.createDirectory(at: root, withIntermediateDirectories: true)
   }
 
   func path(_ account: String, _ hash: String) -> String {
-    root.appendingPathComponent(account).appendingPathComponent(String(hash.prefix(2)))
-      .appendingPathComponent(hash).path
+    "\(rootPath)/\(account)/\(hash.prefix(2))/\(hash)"
   }
 
   public func contains(account: String, hash: String) async throws -> Bool {

@@ -164,10 +164,10 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem] {
     try await pool.read { db in
       var found: [String: CloudItem] = [:]
-      try Self.inSlices(itemIDs) { slice, marks in
+      try Self.inSlices(itemIDs) { _, padded, marks in
         for data in try Data.fetchAll(
-          db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID IN (\(marks))",
-          arguments: StatementArguments([account, container] + slice))
+          db.cached("SELECT record FROM items WHERE account = ? AND container = ? AND itemID IN (\(marks))"),
+          arguments: StatementArguments([account, container] + padded))
         {
           let item = try RecordJSON.decodeStored(data)
           found[item.itemID] = item
@@ -297,27 +297,38 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     return stored.item
   }
 
-  /// Runs `body` on `hashes` in slices of at most 500, each with its `?,?,...` placeholders
-  /// (SQLite bounds the number of parameters of one statement).
-  static func inSlices(_ hashes: [String], _ body: (_ slice: [String], _ marks: String) throws -> Void) rethrows {
-    for start in stride(from: 0, to: hashes.count, by: 500) {
-      let slice = Array(hashes[start..<min(start + 500, hashes.count)])
-      try body(slice, Array(repeating: "?", count: slice.count).joined(separator: ","))
+  /// Runs `body` on `values` in slices of at most 500 (SQLite bounds the number of parameters
+  /// of one statement). Each slice comes with `padded`: the slice with its first value repeated
+  /// up to one of a few lengths, and `marks`, its `?,?,...` placeholders. A statement with an
+  /// `IN (marks)` list then has few texts, each prepared once per connection (`db.cached`);
+  /// an IN list is a set, so the repeats select and change nothing more.
+  static func inSlices(
+    _ values: [String], _ body: (_ slice: ArraySlice<String>, _ padded: [String], _ marks: String) throws -> Void
+  ) rethrows {
+    for start in stride(from: 0, to: values.count, by: 500) {
+      let slice = values[start..<min(start + 500, values.count)]
+      let length = inListLengths.first { $0 >= slice.count } ?? slice.count
+      let padded = Array(slice) + Array(repeating: slice[start], count: length - slice.count)
+      try body(slice, padded, inListMarks[length] ?? Array(repeating: "?", count: length).joined(separator: ","))
     }
   }
+
+  /// The lengths `inSlices` pads to, and their placeholders.
+  static let inListLengths = [1, 2, 4, 8, 16, 32, 64, 128, 256, 500]
+  static let inListMarks = Dictionary(
+    uniqueKeysWithValues: inListLengths.map { ($0, Array(repeating: "?", count: $0).joined(separator: ",")) })
 
   /// Marks a commit's chunks used, inside its transaction; throws `missingChunks` for any that
   /// is not a live chunk of the account.
   static func useChunks(_ db: Database, _ account: String, _ chunks: Set<String>, now: Int64) throws {
     var missing: [String] = []
-    try inSlices(Array(chunks)) { slice, marks in
-      try db.execute(
-        sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
-        arguments: StatementArguments([now as (any DatabaseValueConvertible)?, account] + slice))
+    try inSlices(Array(chunks)) { slice, padded, marks in
+      try db.cached("UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND hash IN (\(marks))")
+        .execute(arguments: StatementArguments([now as (any DatabaseValueConvertible)?, account] + padded))
       if db.changesCount != slice.count {
         let live = try String.fetchAll(
-          db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
-          arguments: StatementArguments([account] + slice))
+          db.cached("SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))"),
+          arguments: StatementArguments([account] + padded))
         missing += Set(slice).subtracting(live)
       }
     }
@@ -435,10 +446,10 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     if hashes.isEmpty { return [] }
     return try await pool.read { db in
       var found = Set<String>()
-      try Self.inSlices(hashes) { slice, marks in
+      try Self.inSlices(hashes) { _, padded, marks in
         let got = try String.fetchAll(
-          db, sql: "SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
-          arguments: StatementArguments([account] + slice))
+          db.cached("SELECT hash FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))"),
+          arguments: StatementArguments([account] + padded))
         found.formUnion(got)
       }
       return found
@@ -449,10 +460,10 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     if hashes.isEmpty { return [:] }
     return try await pool.read { db in
       var found: [String: Int64] = [:]
-      try Self.inSlices(hashes) { slice, marks in
+      try Self.inSlices(hashes) { _, padded, marks in
         for row in try Row.fetchAll(
-          db, sql: "SELECT hash, size FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))",
-          arguments: StatementArguments([account] + slice))
+          db.cached("SELECT hash, size FROM chunks WHERE account = ? AND doomed = 0 AND hash IN (\(marks))"),
+          arguments: StatementArguments([account] + padded))
         {
           found[row["hash"]] = row["size"]
         }
@@ -464,7 +475,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
     try await pool.read { db in
       try Int64.fetchOne(
-        db, sql: "SELECT size FROM chunks WHERE account = ? AND hash = ? AND doomed = 0", arguments: [account, hash])
+        db.cached("SELECT size FROM chunks WHERE account = ? AND hash = ? AND doomed = 0"), arguments: [account, hash])
     }
   }
 
@@ -472,33 +483,30 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     try await pool.write { db in
       let usage = try Self.usageRow(db, account)
       if let doomed = try Bool.fetchOne(
-        db, sql: "SELECT doomed FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash])
+        db.cached("SELECT doomed FROM chunks WHERE account = ? AND hash = ?"), arguments: [account, hash])
       {
         if doomed { throw CloudError.unavailable("chunk \(hash) is being garbage-collected; retry in a moment") }
-        try db.execute(
-          sql: "UPDATE chunks SET lastUsed = ? WHERE account = ? AND hash = ?", arguments: [now, account, hash])
+        try db.cached("UPDATE chunks SET lastUsed = ? WHERE account = ? AND hash = ?")
+          .execute(arguments: [now, account, hash])
         return
       }
       guard usage.admits(size) else { throw CloudError.quotaExceeded(usage) }
-      try db.execute(
-        sql: "INSERT INTO chunks(account, hash, size, lastUsed) VALUES (?,?,?,?)",
-        arguments: [account, hash, size, now])
-      try db.execute(
-        sql: "UPDATE accounts SET usedBytes = usedBytes + ? WHERE name = ?", arguments: [size, account])
+      try db.cached("INSERT INTO chunks(account, hash, size, lastUsed) VALUES (?,?,?,?)")
+        .execute(arguments: [account, hash, size, now])
+      try db.cached("UPDATE accounts SET usedBytes = usedBytes + ? WHERE name = ?").execute(arguments: [size, account])
     }
   }
 
   public func touchChunks(account: String, hashes: [String], now: Int64) async throws {
     if hashes.isEmpty { return }
     try await pool.write { db in
-      try Self.inSlices(hashes) { slice, marks in
-        try db.execute(
-          sql: """
-            UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND lastUsed < ? AND hash IN (\(marks))
-            """,
+      try Self.inSlices(hashes) { _, padded, marks in
+        try db.cached(
+          "UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND lastUsed < ? AND hash IN (\(marks))"
+        ).execute(
           arguments: StatementArguments(
             [now as (any DatabaseValueConvertible)?, account, now - 60]
-              + slice.map { $0 as (any DatabaseValueConvertible)? }))
+              + padded.map { $0 as (any DatabaseValueConvertible)? }))
       }
     }
   }
@@ -506,7 +514,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func isChunkDoomed(account: String, hash: String) async throws -> Bool {
     try await pool.read { db in
       try Bool.fetchOne(
-        db, sql: "SELECT doomed FROM chunks WHERE account = ? AND hash = ?", arguments: [account, hash]) == true
+        db.cached("SELECT doomed FROM chunks WHERE account = ? AND hash = ?"), arguments: [account, hash]) == true
     }
   }
 

@@ -32,13 +32,13 @@ public enum BearerToken {
   public static func generate() -> String {
     var rng = SystemRandomNumberGenerator()
     let bytes = (0..<32).map { _ in UInt8.random(in: 0...255, using: &rng) }
-    return "ubq_" + bytes.map { String(format: "%02x", $0) }.joined()
+    return "ubq_" + Hex.lowercase(bytes)
   }
 
   /// A short random identifier for a token record (shown by `server token list`).
   public static func newID() -> String {
     var rng = SystemRandomNumberGenerator()
-    return (0..<8).map { _ in String(format: "%02x", UInt8.random(in: 0...255, using: &rng)) }.joined()
+    return Hex.lowercase((0..<8).map { _ in UInt8.random(in: 0...255, using: &rng) })
   }
 
   /// True for the one token format, `ubq_` and 64 lower-case hex digits.
@@ -47,7 +47,7 @@ public enum BearerToken {
   }
 
   public static func hash(_ token: String) -> String {
-    SHA256.hash(data: Data(token.utf8)).map { String(format: "%02x", $0) }.joined()
+    Hex.lowercase(SHA256.hash(data: Data(token.utf8)))
   }
 }
 

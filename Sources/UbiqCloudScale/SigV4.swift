@@ -1,5 +1,6 @@
 import Crypto
 import Foundation
+import UbiqCore
 
 /// AWS Signature Version 4 for S3-style requests (header-based, signed payload hash).
 /// Owns the canonical request, the string to sign, the signing key and the `Authorization`
@@ -127,7 +128,5 @@ public struct SigV4Signer: Sendable {
 
   public static func sha256Hex(_ data: Data) -> String { hex(SHA256.hash(data: data)) }
 
-  static func hex<S: Sequence>(_ bytes: S) -> String where S.Element == UInt8 {
-    bytes.map { String(format: "%02x", $0) }.joined()
-  }
+  static func hex<S: Sequence>(_ bytes: S) -> String where S.Element == UInt8 { Hex.lowercase(bytes) }
 }

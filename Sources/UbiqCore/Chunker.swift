@@ -98,8 +98,7 @@ public struct Chunker: Sendable {
 
   /// Lower-case hex SHA-256 of `data`.
   public static func sha256Hex(_ data: Data) -> String {
-    let digest = SHA256.hash(data: data)
-    return digest.map { String(format: "%02x", $0) }.joined()
+    Hex.lowercase(SHA256.hash(data: data))
   }
 
   /// True if `s` looks like a SHA-256 hex digest.

@@ -19,6 +19,20 @@ final class ChunkerTests: XCTestCase {
     return d
   }
 
+  /// Chunk names are SHA-256 in lower-case hex: the published test vectors, and every byte
+  /// value through the hex writer.
+  func testHashesAreSHA256InLowerCaseHex() {
+    XCTAssertEqual(
+      Chunker.sha256Hex(Data()), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    XCTAssertEqual(
+      Chunker.sha256Hex(Data("abc".utf8)), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad")
+    XCTAssertEqual(Hex.lowercase([0x00, 0x09, 0x0a, 0x7f, 0xa0, 0xff]), "00090a7fa0ff")
+    let all = Hex.lowercase((0...255).map { UInt8($0) })
+    XCTAssertEqual(
+      all,
+      (0...255).map { String($0, radix: 16).count == 1 ? "0" + String($0, radix: 16) : String($0, radix: 16) }.joined())
+  }
+
   func chunks(_ data: Data, _ c: Chunker = .standard) throws -> [ChunkRef] {
     let path = NSTemporaryDirectory() + "chunk-\(UUID().uuidString)"
     try data.write(to: URL(fileURLWithPath: path))
