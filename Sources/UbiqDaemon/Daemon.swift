@@ -98,8 +98,14 @@ public final class Daemon {
       index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
     puller.downloader = downloader
-    // Initial sync: the tree is complete before the kernel sees it.
-    do { _ = try runBlocking { try await puller.pullOnce() } } catch { log.warning("initial pull failed: \(error)") }
+    // Initial sync, for at most about a second: a container that has changed little since the
+    // last mount is complete before the kernel sees it, and a new device of a large one mounts
+    // at once and fills in while it is used (the puller's loop goes on from the token).
+    do {
+      _ = try runBlocking { try await puller.pullOnce(budget: .seconds(1)) }
+    } catch {
+      log.warning("initial pull failed: \(error)")
+    }
     fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
     puller.commitInFlight = { worker.isCommitting($0) }

@@ -57,13 +57,19 @@ public final class ChangePuller: @unchecked Sendable {
     self.log = logger
   }
 
-  /// Fetches and applies every change since the stored token. Returns the results.
+  /// Fetches and applies every change since the stored token, page by page; with `budget`,
+  /// stops after the first page that ends past it, leaving the rest of the feed to the next
+  /// pull (the token stays in front of every record not applied yet). Each page's changes go
+  /// to `onApplied` as the page is done. Returns the changes applied.
   @discardableResult
-  public func pullOnce() async throws -> [RemoteApplyResult] {
+  public func pullOnce(budget: Duration? = nil) async throws -> [RemoteApplyResult] {
+    let started = ContinuousClock.now
     var token = try index.changeToken()
-    var all: [RemoteApplyResult] = []
+    var applied: [RemoteApplyResult] = []
     var deferred: [CloudItem] = []
     while true {
+      var all: [RemoteApplyResult] = []
+      defer { applied += effective(all) }
       let since = token
       let batch = try await cloud.changes(container, since: since, limit: 500)
       let known = try await localEtags(of: batch.items)
@@ -116,12 +122,21 @@ public final class ChangePuller: @unchecked Sendable {
       // may come on a later page.
       let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
       try index.setChangeToken(safe)
+      if let budget, ContinuousClock.now - started >= budget {
+        log.info("pulled changes up to \(safe) of the cloud's feed; the rest comes with the next pull")
+        break
+      }
     }
     // Held records, after the feed: those a newer record superseded are gone, and a record
     // whose folder this pull brought, or whose item's local changes are done, applies now.
-    all += try applyHeld()
+    applied += effective(try applyHeld())
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
-    let effective = all.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
+    return applied
+  }
+
+  /// The results that changed something here, handed to `onApplied`.
+  private func effective(_ results: [RemoteApplyResult]) -> [RemoteApplyResult] {
+    let effective = results.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
     if !effective.isEmpty { onApplied(effective) }
     return effective
   }

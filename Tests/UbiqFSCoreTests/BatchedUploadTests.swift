@@ -94,6 +94,36 @@ import UbiqIndex
     }
   }
 
+  /// A pull with a budget (a daemon's first pull, before the mount appears) stops after the
+  /// page that ends past it, with the token in front of what it did not apply: the next pull
+  /// brings the rest, and nothing is lost or applied twice. Each page's changes reach
+  /// `onApplied` (the kernel's caches) as the page is done.
+  @Test func aPullWithABudgetStopsAfterAPageAndTheNextPullBringsTheRest() async throws {
+    try await onOwnThread {
+      let (_, a, b) = try twoDevices()
+      let d = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      for i in 0..<1200 { _ = try a.core.mknod(parent: d, name: "f\(i)", mode: 0o100644, caller: .current) }
+      try a.drainUploads()
+      let puller = try #require(b.puller)
+      let reported = LockedBox<[Int]>()
+      puller.onApplied = { results in reported.set((reported.get() ?? []) + [results.count]) }
+      // The feed: root and Documents (b has them: unchanged), d, then the 1,200 files; pages of 500.
+      let first = try runBlocking { try await puller.pullOnce(budget: .zero) }
+      try checkThat(first.count == 498, "the first page alone was applied: \(first.count)")
+      try checkThat(reported.get() == [498], "one page reported: \(reported.get() ?? [])")
+      let rest = try runBlocking { try await puller.pullOnce() }
+      try checkThat(rest.count == 703, "the rest came with the next pull: \(rest.count)")
+      try checkThat(reported.get() == [498, 500, 203], "each page reported as it was done: \(reported.get() ?? [])")
+      let listed = LockedBox<[String]>()
+      let folder = try #require(try b.inode("d"))
+      try b.core.readdir(folder, offset: 0) { entry in
+        listed.set((listed.get() ?? []) + [entry.name])
+        return true
+      }
+      try checkThat(listed.get()?.count == 1202, "b lists d with its 1,200 files")
+    }
+  }
+
   /// A batch of deletes that the cloud carried out but whose reply was lost: sent again, each
   /// delete finds its tombstone and writes nothing, and the queue empties.
   @Test func aBatchOfDeletesWhoseReplyWasLostIsDoneOnce() async throws {
