@@ -45,19 +45,40 @@ extension IndexStore {
   public func applyRemote(
     _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle, holding: Bool = false
   ) throws -> RemoteApplyResult {
-    if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
-    return try pool.write { db in
-      let result = try Self.asRemote(db) { try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions) }
-      switch result.outcome {
-      case .locallyModified:
-        if holding { try Self.holdRemote(db, r) }
-      case .deferred:
-        break
-      default:
-        try Self.releaseHeld(db, itemID: r.itemID, upTo: r.changeSeq)
-      }
-      return result
+    try pool.write { db in
+      try self.applyRemoteHolding(db, r, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
+  }
+
+  /// `applyRemote` of several records, in order, in one transaction: a catch-up of many records
+  /// writes the index once per page, not once per record. If one of them fails, none is applied
+  /// and the error is thrown (the caller can then apply them one by one).
+  public func applyRemote(
+    _ records: [CloudItem], uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle,
+    holding: Bool = false
+  ) throws -> [RemoteApplyResult] {
+    try pool.write { db in
+      try records.map { r in
+        try self.applyRemoteHolding(db, r, uid: uid, gid: gid, collisions: collisions, holding: holding)
+      }
+    }
+  }
+
+  /// One record of `applyRemote`, in the caller's transaction, with its held records settled.
+  private func applyRemoteHolding(
+    _ db: Database, _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy, holding: Bool
+  ) throws -> RemoteApplyResult {
+    if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
+    let result = try Self.asRemote(db) { try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions) }
+    switch result.outcome {
+    case .locallyModified:
+      if holding { try Self.holdRemote(db, r) }
+    case .deferred:
+      break
+    default:
+      try Self.releaseHeld(db, itemID: r.itemID, upTo: r.changeSeq)
+    }
+    return result
   }
 
   func applyRemote(

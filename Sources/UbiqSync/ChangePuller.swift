@@ -60,27 +60,40 @@ public final class ChangePuller: @unchecked Sendable {
   /// Fetches and applies every change since the stored token, page by page; with `budget`,
   /// stops after the first page that ends past it, leaving the rest of the feed to the next
   /// pull (the token stays in front of every record not applied yet). Each page's changes go
-  /// to `onApplied` as the page is done. Returns the changes applied.
+  /// to `onApplied` as the page is done, and is not kept: a catch-up of a million records holds
+  /// one page of results at a time. Returns how many changes were applied.
   @discardableResult
-  public func pullOnce(budget: Duration? = nil) async throws -> [RemoteApplyResult] {
+  public func pullOnce(budget: Duration? = nil) async throws -> Int {
     let started = ContinuousClock.now
     var token = try index.changeToken()
-    var applied: [RemoteApplyResult] = []
+    var applied = 0
     var deferred: [CloudItem] = []
     while true {
       var all: [RemoteApplyResult] = []
-      defer { applied += effective(all) }
+      defer { applied += report(all) }
       let since = token
       let batch = try await cloud.changes(container, since: since, limit: 500)
       let known = try await localEtags(of: batch.items)
-      for item in batch.items {
+      // Records of items that are not here (a new device's catch-up is all of them) are applied
+      // together, a run at a time, in feed order; any other record alone, under its inode's lock.
+      var new: [CloudItem] = []
+      var inPage = Set<String>()
+      for (k, item) in batch.items.enumerated() {
         // A record at or before the token the page was asked from was applied or held when it
         // first came (a retried request answered from earlier, a late copy of an old page). For
         // an item that is not here it is stale: the item's tombstone may be behind the token and
         // never come again, so it must not make the item again.
-        if item.changeSeq <= since, known[item.itemID] == nil, try index.etag(itemID: item.itemID) == nil {
-          continue
+        let stale = try item.changeSeq <= since && known[item.itemID] == nil && index.etag(itemID: item.itemID) == nil
+        let isNew = !stale && known[item.itemID] == nil && !inPage.contains(item.itemID)
+        inPage.insert(item.itemID)
+        if isNew { new.append(item) }
+        if !new.isEmpty && (!isNew || k == batch.items.count - 1) {
+          for (n, r) in zip(new, try applyNew(new, collisions: .deferUnchangedHolders)) {
+            if r.outcome == .deferred { deferred.append(n) } else { all.append(r) }
+          }
+          new = []
         }
+        if stale || isNew { continue }
         let r = try apply(item, collisions: .deferUnchangedHolders, known: known[item.itemID])
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
@@ -129,16 +142,16 @@ public final class ChangePuller: @unchecked Sendable {
     }
     // Held records, after the feed: those a newer record superseded are gone, and a record
     // whose folder this pull brought, or whose item's local changes are done, applies now.
-    applied += effective(try applyHeld())
+    applied += report(try applyHeld())
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     return applied
   }
 
-  /// The results that changed something here, handed to `onApplied`.
-  private func effective(_ results: [RemoteApplyResult]) -> [RemoteApplyResult] {
+  /// Hands the results that changed something here to `onApplied`; returns how many there were.
+  private func report(_ results: [RemoteApplyResult]) -> Int {
     let effective = results.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
     if !effective.isEmpty { onApplied(effective) }
-    return effective
+    return effective.count
   }
 
   /// The local inode and etag of each of `items` that is here, read once the uploader has
@@ -185,6 +198,19 @@ public final class ChangePuller: @unchecked Sendable {
       held = still
     }
     return results
+  }
+
+  /// Applies records of items that are not here, in one index transaction. If that fails, one
+  /// by one, so that the records before a bad one are applied and its error is its own.
+  func applyNew(_ items: [CloudItem], collisions: IndexStore.NameCollisionPolicy) throws -> [RemoteApplyResult] {
+    if items.count > 1 {
+      do {
+        return try index.applyRemote(items, uid: uid, gid: gid, collisions: collisions, holding: true)
+      } catch {
+        log.warning("applying \(items.count) new records together failed (\(error)); applying them one by one")
+      }
+    }
+    return try items.map { try apply($0, collisions: collisions) }
   }
 
   /// Applies one record. `holding`: a record the item's local changes block is kept (see
