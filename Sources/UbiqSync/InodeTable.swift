@@ -56,6 +56,13 @@ struct InodeState {
   /// Nothing refers to the inode any more: the kernel forgot it (and with it its pages), no
   /// handle is open and no snapshot runs. Its state can go; a later use starts afresh.
   var isIdle: Bool { lookups == 0 && handles.isEmpty && writers == 0 && dirtyHandles == 0 && snapshots == 0 }
+
+  /// Everything but the kernel's lookup count is as a fresh state has it: the state is its
+  /// count alone (what almost every inode the kernel knows has, after a `find` of a big tree).
+  var isLookupsOnly: Bool {
+    handles.isEmpty && writers == 0 && dirtyHandles == 0 && generation == 0 && snapshots == 0
+      && pendingMtimeNs == nil && unlinked == nil && contentEpoch == 0 && dropPagesUntil == nil
+  }
 }
 
 /// The one owner of the mount's per-inode state in memory (`InodeState`): the kernel's lookup
@@ -68,10 +75,16 @@ struct InodeState {
 /// Also the per-inode lock that orders content transitions (open, truncate, first write, flush,
 /// evict, remote replacement, download completion), striped over 64 locks.
 ///
-/// Sendable: `states` and `idleGeneration` are guarded by `lock`; `stripes` are the per-inode
+/// A state that is its lookup count alone is kept as that count (`lookupsOnly`, 16 bytes an
+/// entry instead of a whole `InodeState`): the kernel may know a million inodes.
+///
+/// Sendable: `states` and `lookupsOnly` are guarded by `lock`; `stripes` are the per-inode
 /// locks themselves. Lock order: an inode lock, then `lock`.
 public final class InodeTable: @unchecked Sendable {
+  /// Inodes whose state is more than a lookup count.
   private var states: [Int64: InodeState] = [:]
+  /// Inodes whose state is a lookup count alone (`InodeState.isLookupsOnly`); never also in `states`.
+  private var lookupsOnly: [Int64: UInt64] = [:]
   private let lock = NSLock()
   private let stripes = (0..<64).map { _ in NSLock() }
   /// How long opens drop the kernel's pages after a remote replacement.
@@ -87,16 +100,25 @@ public final class InodeTable: @unchecked Sendable {
   /// Applies `change` to the inode's state (created if absent) and drops it if it is then idle.
   private func update<T>(_ inode: Int64, _ change: (inout InodeState) -> T) -> T {
     lock.withLock {
-      var state = states[inode] ?? InodeState()
+      let full = states[inode]
+      var state = full ?? InodeState(lookups: lookupsOnly[inode] ?? 0)
       let result = change(&state)
-      states[inode] = state.isIdle ? nil : state
+      if state.isIdle {
+        if full != nil { states[inode] = nil } else { lookupsOnly[inode] = nil }
+      } else if state.isLookupsOnly {
+        lookupsOnly[inode] = state.lookups
+        if full != nil { states[inode] = nil }
+      } else {
+        states[inode] = state
+        if full == nil { lookupsOnly[inode] = nil }
+      }
       return result
     }
   }
 
   /// Reads the inode's state (a fresh one if absent).
   private func read<T>(_ inode: Int64, _ body: (InodeState) -> T) -> T {
-    lock.withLock { body(states[inode] ?? InodeState()) }
+    lock.withLock { body(states[inode] ?? InodeState(lookups: lookupsOnly[inode] ?? 0)) }
   }
 
   // MARK: - the kernel's references
@@ -194,7 +216,8 @@ public final class InodeTable: @unchecked Sendable {
   public func itemGone(_ inode: Int64) {
     lock.withLock {
       guard let state = states[inode], state.handles.isEmpty else { return }
-      states[inode] = state.lookups > 0 ? InodeState(lookups: state.lookups) : nil
+      states[inode] = nil
+      if state.lookups > 0 { lookupsOnly[inode] = state.lookups }
     }
   }
 
@@ -299,5 +322,5 @@ public final class InodeTable: @unchecked Sendable {
   private static func now() -> UInt64 { DispatchTime.now().uptimeNanoseconds }
 
   /// How many inodes have state (for tests and status).
-  public var count: Int { lock.withLock { states.count } }
+  public var count: Int { lock.withLock { states.count + lookupsOnly.count } }
 }

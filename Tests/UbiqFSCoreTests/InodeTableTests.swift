@@ -60,6 +60,32 @@ import UbiqSync
     inodes.endSnapshot(7)
   }
 
+  /// The kernel's lookup counts of many inodes are kept compactly, and a state moves between
+  /// that form and the whole one without losing anything: every entry handed out is taken back
+  /// by exactly its forget, whatever happened to the inode in between.
+  @Test func lookupCountsSurviveEveryChangeOfTheirInodesState() {
+    let inodes = InodeTable()
+    for i in Int64(1)...1000 { inodes.noteLookup(i, count: UInt64(i % 3 + 1)) }
+    #expect(inodes.count == 1000)
+    // Inode 7: a write (its generation moves), then closed: more than a count now.
+    _ = inodes.opened(7, handle: 1, fd: -1, writable: true)
+    inodes.beginWrite(7, handleWasClean: true)
+    inodes.noteFlushed(7)
+    _ = inodes.closed(7, handle: 1, writable: true, wasDirty: false)
+    // Inode 8: opened and closed: a count again. Inode 9: gone while the kernel holds it.
+    _ = inodes.opened(8, handle: 2, fd: -1, writable: false)
+    _ = inodes.closed(8, handle: 2, writable: false, wasDirty: false)
+    inodes.itemGone(9)
+    inodes.noteLookup(10)
+    #expect(inodes.count == 1000)
+    for i in Int64(1)...1000 {
+      let handed = UInt64(i % 3 + 1) + (i == 10 ? 1 : 0)
+      #expect(inodes.forget(i, count: handed) == 0, "inode \(i) kept its \(handed) entries")
+    }
+    #expect(inodes.count == 0)
+    #expect(inodes.forget(5, count: 1) == 1, "a forget beyond the count is reported")
+  }
+
   @Test func aSnapshotWaitsForUnrecordedWrites() {
     let inodes = InodeTable()
     _ = inodes.opened(3, handle: 1, fd: -1, writable: true)
