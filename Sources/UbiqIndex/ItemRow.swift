@@ -199,68 +199,47 @@ extension ItemRow {
 
   /// Decodes a row by column position. Written out because it runs for every lookup, getattr
   /// and readdir entry: the synthesized `Decodable` path cost more than the query itself, and
-  /// a lookup by name lowercases and hashes every column's name. A row with fewer columns
-  /// than `items` (a query that selects some) is decoded by name.
+  /// a lookup by name lowercases and hashes every column's name. A row with fewer columns than
+  /// `items` (a query that selects some) has its columns found by name.
   public init(row: Row) throws {
+    let at: [Int]
     if row.count >= Self.columnNames.count {
-      self.init(positionalRow: row)
+      assert(zip(row.columnNames, Self.columnNames).allSatisfy { $0 == $1 }, "not a row of items: \(row)")
+      at = Self.positions
     } else {
-      self.init(namedRow: row)
+      let names = Array(row.columnNames)
+      at = try Self.columnNames.map { name in
+        guard let i = names.firstIndex(of: name) else { throw UbiqError.io("a row of items without \(name)") }
+        return i
+      }
     }
+    id = row[at[0]]
+    itemID = row[at[1]]
+    parent = row[at[2]]
+    name = row[at[3]]
+    kind = ItemKind(rawValue: row[at[4]]) ?? .file
+    mode = row[at[5]]
+    uid = row[at[6]]
+    gid = row[at[7]]
+    size = row[at[8]]
+    mtimeNs = row[at[9]]
+    ctimeNs = row[at[10]]
+    atimeNs = row[at[11]]
+    symlinkTarget = row[at[12]]
+    etag = row[at[13]]
+    chunks = row[at[14]]
+    content = ContentState(rawValue: row[at[15]]) ?? .dataless
+    revision = row[at[16]]
+    syncedRevision = row[at[17]]
+    pinned = row[at[18]]
+    excluded = row[at[19]]
+    lastUsedNs = row[at[20]]
+    base = row[at[21]]
+    conflicts = row[at[22]]
   }
 
-  private init(positionalRow row: Row) {
-    assert(zip(row.columnNames, Self.columnNames).allSatisfy { $0 == $1 }, "not a row of items: \(row)")
-    id = row[0]
-    itemID = row[1]
-    parent = row[2]
-    name = row[3]
-    kind = ItemKind(rawValue: row[4]) ?? .file
-    mode = row[5]
-    uid = row[6]
-    gid = row[7]
-    size = row[8]
-    mtimeNs = row[9]
-    ctimeNs = row[10]
-    atimeNs = row[11]
-    symlinkTarget = row[12]
-    etag = row[13]
-    chunks = row[14]
-    content = ContentState(rawValue: row[15]) ?? .dataless
-    revision = row[16]
-    syncedRevision = row[17]
-    pinned = row[18]
-    excluded = row[19]
-    lastUsedNs = row[20]
-    base = row[21]
-    conflicts = row[22]
-  }
-
-  private init(namedRow row: Row) {
-    id = row["id"]
-    itemID = row["itemID"]
-    parent = row["parent"]
-    name = row["name"]
-    kind = ItemKind(rawValue: row["kind"]) ?? .file
-    mode = row["mode"]
-    uid = row["uid"]
-    gid = row["gid"]
-    size = row["size"]
-    mtimeNs = row["mtimeNs"]
-    ctimeNs = row["ctimeNs"]
-    atimeNs = row["atimeNs"]
-    symlinkTarget = row["symlinkTarget"]
-    etag = row["etag"]
-    chunks = row["chunks"]
-    content = ContentState(rawValue: row["content"]) ?? .dataless
-    revision = row["revision"]
-    syncedRevision = row["syncedRevision"]
-    pinned = row["pinned"]
-    excluded = row["excluded"]
-    lastUsedNs = row["lastUsedNs"]
-    base = row["base"]
-    conflicts = row["conflicts"]
-  }
+  /// The positions of a `SELECT *` row's columns.
+  private static let positions = Array(columnNames.indices)
 
   /// Encodes every column (the inverse of `init(row:)`), for inserts and updates.
   public func encode(to container: inout PersistenceContainer) throws {

@@ -71,16 +71,9 @@ import UbiqCore
   /// which the kernel asks for after each create in it: counting must read the folder's
   /// subfolders only, from an index, never every entry of a folder of 100,000 files.
   @Test func aFoldersLinkCountReadsItsSubfoldersOnly() async throws {
-    let statements = Mutex<Set<String>>([])
-    let plans = Mutex<[String]>([])
-    try await onOwnThread {
-      let world = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
+    let found = try await Self.plans(ofStatementsContaining: "COUNT(*) FROM ITEMS WHERE PARENT") { world in
       _ = try world.core.getattr(world.documents)
-      let counts = statements.withLock { $0 }.filter { $0.uppercased().contains("COUNT(*) FROM ITEMS WHERE PARENT") }
-      let found = try counts.map { "\($0) -> \(try Self.plan(of: $0, in: world).joined(separator: "; "))" }
-      plans.withLock { $0 = found }
     }
-    let found = plans.withLock { $0 }
     #expect(!found.isEmpty, "getattr of a folder counts its subfolders")
     for plan in found {
       #expect(plan.contains("USING COVERING INDEX items_subfolders (parent=? AND kind=?)"), "\(plan)")
@@ -92,10 +85,7 @@ import UbiqCore
   /// per batch makes listing a folder of 100,000 entries quadratic, and a walk of the rows by
   /// inode reads every item after the cursor, of any folder.
   @Test func aFoldersListingReadsItsEntriesInOrderFromAnIndex() async throws {
-    let statements = Mutex<Set<String>>([])
-    let plans = Mutex<[String]>([])
-    try await onOwnThread {
-      let w = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
+    let found = try await Self.plans(ofStatementsContaining: "FROM ITEMS WHERE PARENT = ? AND ID >") { w in
       for i in 0..<5 { try w.writeFile("f\(i)", Data()) }
       var names: [String] = []
       try w.core.readdir(w.documents, offset: 0, batch: 16) {
@@ -103,18 +93,29 @@ import UbiqCore
         return true
       }
       try checkThat(names.count == 7, "the listing has . .. and five files: \(names)")
-      let listings = statements.withLock { $0 }.filter {
-        $0.uppercased().contains("FROM ITEMS WHERE PARENT = ? AND ID >")
-      }
-      let found = try listings.map { "\($0) -> \(try Self.plan(of: $0, in: w).joined(separator: "; "))" }
-      plans.withLock { $0 = found }
     }
-    let found = plans.withLock { $0 }
     #expect(!found.isEmpty, "readdir reads the folder's entries after a cursor")
     for plan in found {
       #expect(plan.contains("USING INDEX items_by_parent (parent=? AND rowid>?)"), "\(plan)")
       #expect(!plan.contains("TEMP B-TREE"), "\(plan)")
     }
+  }
+
+  /// Each statement `workload` runs on a fresh device whose text contains `fragment` (compared
+  /// upper-cased), with its plan: "SQL -> step; step".
+  static func plans(
+    ofStatementsContaining fragment: String, after workload: @escaping @Sendable (CoreWorld) throws -> Void
+  ) async throws -> [String] {
+    let statements = Mutex<Set<String>>([])
+    let plans = Mutex<[String]>([])
+    try await onOwnThread {
+      let world = try CoreWorld(statementObserver: { sql in statements.withLock { _ = $0.insert(sql) } })
+      try workload(world)
+      let matching = statements.withLock { $0 }.filter { $0.uppercased().contains(fragment) }
+      let found = try matching.map { "\($0) -> \(try Self.plan(of: $0, in: world).joined(separator: "; "))" }
+      plans.withLock { $0 = found }
+    }
+    return plans.withLock { $0 }
   }
 
   /// The statements (with their plan step) whose plan scans a whole table it should search.
