@@ -58,16 +58,18 @@ public final class ChangePuller: @unchecked Sendable {
   }
 
   /// Fetches and applies every change since the stored token, page by page; with `budget`,
-  /// stops after the first page that ends past it, leaving the rest of the feed to the next
-  /// pull (the token stays in front of every record not applied yet). Each page's changes go
-  /// to `onApplied` as the page is done, and is not kept: a catch-up of a million records holds
-  /// one page of results at a time. Returns how many changes were applied.
+  /// stops after the first page that ends past it, leaving the rest of the feed, and the held
+  /// records (which wait for the whole feed), to the next pull: the token stays in front of
+  /// every record not applied yet. Each page's changes go to `onApplied` as the page is done
+  /// and are not kept: a catch-up of a million records holds one page of results at a time.
+  /// Returns how many changes were applied.
   @discardableResult
   public func pullOnce(budget: Duration? = nil) async throws -> Int {
     let started = ContinuousClock.now
     var token = try index.changeToken()
     var applied = 0
     var deferred: [CloudItem] = []
+    var stoppedMidFeed = false
     while true {
       var all: [RemoteApplyResult] = []
       defer { applied += report(all) }
@@ -137,11 +139,14 @@ public final class ChangePuller: @unchecked Sendable {
       try index.setChangeToken(safe)
       if let budget, ContinuousClock.now - started >= budget {
         log.info("pulled changes up to \(safe) of the cloud's feed; the rest comes with the next pull")
+        stoppedMidFeed = true
         break
       }
     }
-    // Held records, after the feed: those a newer record superseded are gone, and a record
-    // whose folder this pull brought, or whose item's local changes are done, applies now.
+    if stoppedMidFeed { return applied }
+    // Held records, after the whole feed (a record later in it may free the name a held record
+    // takes): those a newer record superseded are gone, and a record whose folder this pull
+    // brought, or whose item's local changes are done, applies now.
     applied += report(try applyHeld())
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     return applied
@@ -210,7 +215,14 @@ public final class ChangePuller: @unchecked Sendable {
         log.warning("applying \(items.count) new records together failed (\(error)); applying them one by one")
       }
     }
-    return try items.map { try apply($0, collisions: collisions) }
+    var results: [RemoteApplyResult] = []
+    do {
+      for item in items { results.append(try apply(item, collisions: collisions)) }
+    } catch {
+      _ = report(results)  // applied before the failing record: the kernel must still hear of them
+      throw error
+    }
+    return results
   }
 
   /// Applies one record. `holding`: a record the item's local changes block is kept (see

@@ -124,6 +124,36 @@ import UbiqIndex
     }
   }
 
+  /// Records held back by local changes wait for the whole feed, as a later record may free
+  /// the name one of them takes: a pull that stops on its budget leaves them held, and the
+  /// pull that reaches the end of the feed applies them.
+  @Test func aPullStoppedByItsBudgetLeavesHeldRecordsForTheEndOfTheFeed() async throws {
+    try await onOwnThread {
+      let (_, a, b) = try twoDevices()
+      try a.writeFile("f", Data("one\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let f = try #require(try b.inode("f"))
+      // b holds f open for writing: a's edit of it is held back.
+      let handle = try b.core.open(f, flags: O_RDWR, caller: .current).handle
+      try a.writeFile("f", Data("two\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try checkThat(try b.index.heldRemote().map(\.name) == ["f"], "a's edit waits for b's writer")
+      b.core.release(handle)
+      // More than a page of changes after the held record.
+      let d = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      for i in 0..<600 { _ = try a.core.mknod(parent: d, name: "g\(i)", mode: 0o100644, caller: .current) }
+      try a.drainUploads()
+      let puller = try #require(b.puller)
+      _ = try runBlocking { try await puller.pullOnce(budget: .zero) }
+      try checkThat(try b.index.heldRemote().map(\.name) == ["f"], "held until the end of the feed")
+      try b.pull()
+      try checkThat(try b.index.heldRemote().isEmpty, "applied at the end of the feed")
+      try checkThat(try b.readFile("f") == Data("two\n".utf8), "b has a's edit")
+    }
+  }
+
   /// A new device's catch-up writes its index a page at a time: the records of items that are
   /// not here yet are applied together, in one transaction per run of them, not one each.
   @Test func aCatchUpAppliesNewRecordsAPageAtATime() async throws {
