@@ -78,7 +78,8 @@ public struct SigV4Signer: Sendable {
     let stringToSign = [
       "AWS4-HMAC-SHA256", amzDate, scope, Self.sha256Hex(Data(canonicalRequest.utf8)),
     ].joined(separator: "\n")
-    let signature = Self.hex(HMAC<SHA256>.authenticationCode(for: Data(stringToSign.utf8), using: signingKey(day: day)))
+    let signature = Hex.lowercase(
+      HMAC<SHA256>.authenticationCode(for: Data(stringToSign.utf8), using: signingKey(day: day)))
     added["Authorization"] =
       "AWS4-HMAC-SHA256 Credential=\(accessKey)/\(scope), SignedHeaders=\(signedHeaders), Signature=\(signature)"
     return added
@@ -126,7 +127,5 @@ public struct SigV4Signer: Sendable {
       .joined(separator: " ")
   }
 
-  public static func sha256Hex(_ data: Data) -> String { hex(SHA256.hash(data: data)) }
-
-  static func hex<S: Sequence>(_ bytes: S) -> String where S.Element == UInt8 { Hex.lowercase(bytes) }
+  public static func sha256Hex(_ data: Data) -> String { Hex.lowercase(SHA256.hash(data: data)) }
 }

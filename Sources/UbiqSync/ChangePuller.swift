@@ -80,7 +80,13 @@ public final class ChangePuller: @unchecked Sendable {
       // together, a run at a time, in feed order; any other record alone, under its inode's lock.
       var new: [CloudItem] = []
       var inPage = Set<String>()
-      for (k, item) in batch.items.enumerated() {
+      func applyNewRun() throws {
+        for (n, r) in zip(new, try applyNew(new, collisions: .deferUnchangedHolders)) {
+          if r.outcome == .deferred { deferred.append(n) } else { all.append(r) }
+        }
+        new = []
+      }
+      for item in batch.items {
         // A record at or before the token the page was asked from was applied or held when it
         // first came (a retried request answered from earlier, a late copy of an old page). For
         // an item that is not here it is stale: the item's tombstone may be behind the token and
@@ -88,17 +94,16 @@ public final class ChangePuller: @unchecked Sendable {
         let stale = try item.changeSeq <= since && known[item.itemID] == nil && index.etag(itemID: item.itemID) == nil
         let isNew = !stale && known[item.itemID] == nil && !inPage.contains(item.itemID)
         inPage.insert(item.itemID)
-        if isNew { new.append(item) }
-        if !new.isEmpty && (!isNew || k == batch.items.count - 1) {
-          for (n, r) in zip(new, try applyNew(new, collisions: .deferUnchangedHolders)) {
-            if r.outcome == .deferred { deferred.append(n) } else { all.append(r) }
-          }
-          new = []
+        if isNew {
+          new.append(item)
+          continue
         }
-        if stale || isNew { continue }
+        try applyNewRun()
+        if stale { continue }
         let r = try apply(item, collisions: .deferUnchangedHolders, known: known[item.itemID])
         if r.outcome == .deferred { deferred.append(item) } else { all.append(r) }
       }
+      try applyNewRun()
       // Parents may come later in the feed than their children (moves), and the item holding a
       // name may be moving away later in the feed (exchanges): retry the deferred while that
       // makes progress. Then items that hold each other's names (a swap) step aside for each

@@ -241,6 +241,17 @@ final class CoreWorld: @unchecked Sendable {
     return inode
   }
 
+  /// The names readdir lists for a folder below Documents ("a/b"), "." and ".." included.
+  func listing(_ path: String) throws -> [String] {
+    guard let folder = try inode(path) else { throw UbiqError.notFound(path) }
+    var names: [String] = []
+    try core.readdir(folder, offset: 0) {
+      names.append($0.name)
+      return true
+    }
+    return names
+  }
+
   func readFile(_ path: String) throws -> Data {
     guard let inode = try inode(path) else { throw UbiqError.notFound(path) }
     let size = try core.getattr(inode).size
