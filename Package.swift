@@ -133,7 +133,10 @@ let package = Package(
       dependencies: ["UbiqCore", .product(name: "PropertyBased", package: "swift-property-based")]),
     .testTarget(
       name: "UbiqIndexTests",
-      dependencies: ["UbiqCore", "UbiqIndex", .product(name: "PropertyBased", package: "swift-property-based")]),
+      dependencies: [
+        "UbiqCore", "UbiqIndex", .product(name: "GRDB", package: "GRDB.swift"),
+        .product(name: "PropertyBased", package: "swift-property-based"),
+      ]),
     .testTarget(
       name: "UbiqFSCoreTests",
       dependencies: [

@@ -1,7 +1,77 @@
+import Foundation
 import GRDB
+import UbiqCore
 
 extension IndexStore {
-  /// Runs a single-statement read without GRDB's BEGIN/COMMIT around it: one SQLite statement
+  /// Runs a single-statement read without a transaction around it: one SQLite statement
   /// already sees one consistent snapshot. Multi-statement reads use `pool.read`.
-  func readOne<T>(_ body: (Database) throws -> T) throws -> T { try pool.unsafeRead(body) }
+  func readOne<T>(_ body: (Database) throws -> T) throws -> T {
+    try statementReaders.read(body) ?? pool.unsafeRead(body)
+  }
+
+  /// Runs `body` in one write transaction, as `pool.write` does, with BEGIN IMMEDIATE and
+  /// COMMIT prepared once per connection (GRDB parses them again for every transaction, which
+  /// cost a tenth of a create's index time). A body that throws is rolled back; a transaction
+  /// that SQLite ended by itself (disk full, I/O error) fails at its COMMIT.
+  func write<T>(_ body: (Database) throws -> T) throws -> T {
+    try pool.writeWithoutTransaction { db in
+      try db.cached("BEGIN IMMEDIATE TRANSACTION").execute()
+      do {
+        let value = try body(db)
+        try db.cached("COMMIT TRANSACTION").execute()
+        return value
+      } catch {
+        if db.isInsideTransaction { try? db.rollback() }
+        throw error
+      }
+    }
+  }
+
+  /// Inserts `row` into `items` with a statement prepared once per connection (GRDB's record
+  /// insert builds its SQL for every call), and sets its `id` to the new inode.
+  static func insertItem(_ db: Database, _ row: inout ItemRow) throws {
+    try db.cached(insertItemSQL).execute(arguments: row.databaseArguments)
+    row.id = db.lastInsertedRowID
+  }
+
+  /// Writes every column of `row` over the row with its `id`; throws if there is none.
+  static func updateItem(_ db: Database, _ row: ItemRow) throws {
+    guard let id = row.id else { throw UbiqError.io("an item row without an inode cannot be updated") }
+    var arguments = row.databaseArguments
+    arguments += [id]
+    try db.cached(updateItemSQL).execute(arguments: arguments)
+    if db.changesCount == 0 {
+      throw RecordError.recordNotFound(databaseTableName: "items", key: ["id": id.databaseValue])
+    }
+  }
+
+  private static let insertItemSQL =
+    "INSERT INTO items(\(ItemRow.columnNames.joined(separator: ", "))) VALUES ("
+    + Array(repeating: "?", count: ItemRow.columnNames.count).joined(separator: ", ") + ")"
+
+  private static let updateItemSQL =
+    "UPDATE items SET \(ItemRow.columnNames.map { "\($0) = ?" }.joined(separator: ", ")) WHERE id = ?"
+}
+
+/// Read-only connections for the single-statement reads of every lookup, getattr and readdir
+/// (`IndexStore.readOne`), taken in turn. GRDB's pool asks each read for the schema version (one
+/// more statement, a fifth of a getattr); this index's schema changes only when it is opened
+/// (its migrations), and SQLite prepares a statement again by itself if it ever does.
+final class StatementReaders: @unchecked Sendable {
+  static let count = 4
+  private let queues: [DatabaseQueue]
+  private let lock = NSLock()
+  private var next = 0
+
+  init(queues: [DatabaseQueue]) { self.queues = queues }
+
+  /// `body` on the next connection, or nil when there are none (a read-only index).
+  func read<T>(_ body: (Database) throws -> T) throws -> T? {
+    if queues.isEmpty { return nil }
+    let queue = lock.withLock {
+      defer { next = (next + 1) % queues.count }
+      return queues[next]
+    }
+    return try queue.unsafeRead(body)
+  }
 }

@@ -119,7 +119,7 @@ extension IndexStore {
     seq: Int64, inode: Int64, itemID: String, revision: Int64, result: CloudItem, adopted: Bool = false,
     placeOnly: Bool = false
   ) throws {
-    try pool.write { db in
+    try write { db in
       try self.recordUpload(
         db,
         UploadRecord(
@@ -132,7 +132,7 @@ extension IndexStore {
   /// transaction.
   public func markUploaded(_ uploads: [UploadRecord]) throws {
     if uploads.isEmpty { return }
-    try pool.write { db in
+    try write { db in
       for upload in uploads { try self.recordUpload(db, upload) }
     }
   }
@@ -214,7 +214,7 @@ extension IndexStore {
   /// next pull brings it back). One transaction, so no pull sees the entry gone without the
   /// held record in place.
   public func finishDelete(seq: Int64, itemID: String, restoring current: CloudItem?) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       if let current {
         try Self.holdRemote(db, current)
@@ -228,7 +228,7 @@ extension IndexStore {
   /// in one transaction: each entry (by its queue sequence number) leaves the queue.
   public func finishDeletes(_ done: [(seq: Int64, itemID: String)]) throws {
     if done.isEmpty { return }
-    try pool.write { db in
+    try write { db in
       for (seq, itemID) in done {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
         try Self.releaseHeld(db, itemID: itemID)
@@ -237,13 +237,13 @@ extension IndexStore {
   }
 
   public func markDone(seq: Int64) throws {
-    try pool.write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
+    try write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
   }
 
   /// Records a failed attempt; the entry is retried with exponential backoff (1 s doubling to
   /// at most `maxBackoffNs`) and is never dropped.
   public func markFailed(seq: Int64, error: String, errno: Int32, maxBackoffNs: Int64 = 60_000_000_000) throws {
-    try pool.write { db in
+    try write { db in
       let attempts =
         try Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE seq = ?"), arguments: [seq]) ?? 0
       let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(attempts, 20)))
@@ -257,7 +257,7 @@ extension IndexStore {
 
   /// Postpones an entry without counting a failure (e.g. the file is being written).
   public func postpone(seq: Int64, byNs: Int64) throws {
-    try pool.write { db in
+    try write { db in
       try db.execute(
         sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE seq = ?", arguments: [self.clock.nowNs() + byNs, seq])
     }
@@ -266,7 +266,7 @@ extension IndexStore {
   /// Makes every waiting entry due now (the cloud came back, or the user asked to sync).
   public func retryAllNow() throws {
     let now = self.clock.nowNs()
-    try pool.write { db in
+    try write { db in
       try db.execute(sql: "UPDATE uploadQueue SET nextAttemptNs = ? WHERE nextAttemptNs > ?", arguments: [now, now])
     }
   }

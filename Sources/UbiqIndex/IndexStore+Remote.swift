@@ -45,7 +45,7 @@ extension IndexStore {
   public func applyRemote(
     _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle, holding: Bool = false
   ) throws -> RemoteApplyResult {
-    try pool.write { db in
+    try write { db in
       try self.applyRemoteHolding(db, r, uid: uid, gid: gid, collisions: collisions, holding: holding)
     }
   }
@@ -57,7 +57,7 @@ extension IndexStore {
     _ records: [CloudItem], uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy = .settle,
     holding: Bool = false
   ) throws -> [RemoteApplyResult] {
-    try pool.write { db in
+    try write { db in
       try records.map { r in
         try self.applyRemoteHolding(db, r, uid: uid, gid: gid, collisions: collisions, holding: holding)
       }
@@ -201,7 +201,7 @@ extension IndexStore {
       row.syncedRevision = row.revision
       // A name changed here to resolve a collision goes to the cloud, so every device agrees.
       if renamedHere { row.revision += 1 }
-      try row.update(db)
+      try Self.updateItem(db, row)
       try Self.replaceXattrs(db, row.id!, r.xattrs)
       if renamedHere { try self.enqueue(db, row.id!) }
       return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
@@ -214,7 +214,7 @@ extension IndexStore {
     row.base = ItemRow.json(r)
     row.conflicts = conflicts
     if renamedHere { row.revision = 1 }
-    try row.insert(db)
+    try Self.insertItem(db, &row)
     try Self.replaceXattrs(db, row.id!, r.xattrs)
     if renamedHere { try self.enqueue(db, row.id!) }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
@@ -305,7 +305,7 @@ extension IndexStore {
     _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false,
     keepingContent: Bool = false
   ) throws -> RemoteApplyResult {
-    try pool.write { db in
+    try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == merged.itemID
       else {
@@ -355,7 +355,7 @@ extension IndexStore {
   /// Marks a file's content as present in the cache after a download of chunk manifest
   /// `manifest`; false (nothing changed) if the item's content changed meanwhile.
   public func markCached(_ inode: Int64, manifest: String?) throws -> Bool {
-    try pool.write { db in
+    try write { db in
       // The same chunks, however their manifest's text is written.
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.chunks == manifest || row.chunkList == ItemRow.chunkList(manifest)
@@ -370,7 +370,7 @@ extension IndexStore {
   /// Drops a file's local content if it is safely in the cloud: uploaded (no queue entry,
   /// synced revision) and not pinned. Returns false if it must stay.
   public func markEvicted(_ inode: Int64) throws -> Bool {
-    try pool.write { db in
+    try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.kind == .file, row.etag != nil, !row.pinned,
         row.revision == row.syncedRevision,
@@ -390,7 +390,7 @@ extension IndexStore {
   /// nothing queued), marks it dataless so the next open downloads it again. Returns false if
   /// the cloud does not have the current content.
   public func markContentMissing(_ inode: Int64) throws -> Bool {
-    try pool.write { db in
+    try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.kind == .file, row.etag != nil, row.size > 0, row.revision == row.syncedRevision,
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [inode]) != true,
@@ -427,7 +427,7 @@ extension IndexStore {
   /// Records when files were last used (for LRU eviction), in one transaction.
   public func recordUse(_ uses: [Int64: Int64]) throws {
     guard !uses.isEmpty else { return }
-    try pool.write { db in
+    try write { db in
       for (inode, ns) in uses {
         try db.cached("UPDATE items SET lastUsedNs = ? WHERE id = ?").execute(arguments: [ns, inode])
       }
@@ -440,7 +440,7 @@ extension IndexStore {
   /// `versionID` (which becomes the current content, dataless until read) and drops the rest.
   /// Returns true if the content changed (the cache file must go).
   public func resolveConflicts(_ inode: Int64, keep versionID: String?) throws -> Bool {
-    try pool.write { db in
+    try write { db in
       guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
         throw UbiqError.notFound("inode \(inode)")
       }
@@ -465,7 +465,7 @@ extension IndexStore {
       row.conflicts = nil
       row.ctimeNs = self.clock.nowNs()
       row.revision += 1
-      try row.update(db)
+      try Self.updateItem(db, row)
       try self.enqueue(db, inode)
       return contentChanged
     }
@@ -477,7 +477,7 @@ extension IndexStore {
   /// queued delete, a handle open for writing), so it is applied once they are done instead of
   /// being passed by with the change token. Only the newest record of an item is kept.
   public func holdRemote(_ r: CloudItem) throws {
-    try pool.write { db in try Self.holdRemote(db, r) }
+    try write { db in try Self.holdRemote(db, r) }
   }
 
   static func holdRemote(_ db: Database, _ r: CloudItem) throws {

@@ -19,6 +19,8 @@ public final class IndexStore: @unchecked Sendable {
   public let clock: WallClock
   /// Where the ids of this device, of new items and of conflict versions come from.
   public let identifiers: IdentifierSource
+  /// The connections of `readOne`.
+  let statementReaders: StatementReaders
 
   /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
   public init(
@@ -27,23 +29,31 @@ public final class IndexStore: @unchecked Sendable {
   ) throws {
     self.clock = clock
     self.identifiers = identifiers
-    var config = Configuration()
-    config.busyMode = .timeout(10)
-    config.readonly = readOnly
-    config.prepareDatabase { db in
-      db.add(function: Self.reversedNameFunction)
-      if !readOnly { try db.cached("PRAGMA synchronous = NORMAL").execute() }
-      if let statementObserver {
-        db.trace(options: .statement) { event in
-          if case .statement(let statement) = event { statementObserver(statement.sql) }
+    func configuration(readOnly: Bool) -> Configuration {
+      var config = Configuration()
+      config.busyMode = .timeout(10)
+      config.readonly = readOnly
+      config.prepareDatabase { db in
+        db.add(function: Self.reversedNameFunction)
+        if !readOnly { try db.cached("PRAGMA synchronous = NORMAL").execute() }
+        if let statementObserver {
+          db.trace(options: .statement) { event in
+            if case .statement(let statement) = event { statementObserver(statement.sql) }
+          }
         }
       }
+      return config
     }
     if readOnly {
-      pool = try DatabaseQueue(path: path, configuration: config)
+      pool = try DatabaseQueue(path: path, configuration: configuration(readOnly: true))
+      statementReaders = StatementReaders(queues: [])
     } else {
-      pool = try DatabasePool.openAmongProcesses(path: path, configuration: config)
+      pool = try DatabasePool.openAmongProcesses(path: path, configuration: configuration(readOnly: false))
       try Self.migrator.migrateAmongProcesses(pool)
+      statementReaders = StatementReaders(
+        queues: try (0..<StatementReaders.count).map { _ in
+          try DatabaseQueue(path: path, configuration: configuration(readOnly: true))
+        })
     }
     try Self.checkItemColumns(pool)
   }
@@ -177,7 +187,7 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func setMeta(_ key: String, _ value: String) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)").execute(arguments: [key, value])
     }
   }
@@ -192,7 +202,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Creates the root (inode 1) and `Documents/` on a fresh index.
   public func bootstrap(uid: UInt32, gid: UInt32) throws {
-    try pool.write { db in
+    try write { db in
       if try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [Self.rootInode]) != nil {
         return
       }
@@ -200,11 +210,11 @@ public final class IndexStore: @unchecked Sendable {
       var root = ItemRow(
         id: Self.rootInode, itemID: WellKnownItem.root, parent: nil, name: "", kind: .directory, mode: 0o755,
         uid: uid, gid: gid, mtimeNs: now)
-      try root.insert(db)
+      try Self.insertItem(db, &root)
       var docs = ItemRow(
         itemID: WellKnownItem.documents, parent: Self.rootInode, name: "Documents", kind: .directory, mode: 0o755,
         uid: uid, gid: gid, mtimeNs: now)
-      try docs.insert(db)
+      try Self.insertItem(db, &docs)
     }
   }
 
@@ -277,8 +287,9 @@ public final class IndexStore: @unchecked Sendable {
       guard
         let row = try Row.fetchOne(db.cached("SELECT parent, name, excluded FROM items WHERE id = ?"), arguments: [c])
       else { return false }
-      if ItemName.isNoSync(row["name"]) || (row["excluded"] as Bool) { return true }
-      cur = row["parent"]
+      // By position: SELECT parent, name, excluded.
+      if ItemName.isNoSync(row[1]) || (row[2] as Bool) { return true }
+      cur = row[0]
       depth += 1
     }
     return false
@@ -398,7 +409,7 @@ public final class IndexStore: @unchecked Sendable {
     symlinkTarget: String? = nil, inserted: (Int64) -> Void = { _ in }
   ) throws -> ItemRow {
     try ItemName.validate(name)
-    return try pool.write { db in
+    return try write { db in
       guard let p = try Row.fetchOne(db.cached("SELECT kind, name FROM items WHERE id = ?"), arguments: [parent]) else {
         throw UbiqError.notFound("parent \(parent)")
       }
@@ -409,7 +420,7 @@ public final class IndexStore: @unchecked Sendable {
         itemID: identifiers.next(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,
         size: Int64(symlinkTarget?.utf8.count ?? 0), mtimeNs: now, symlinkTarget: symlinkTarget)
       row.revision = 1
-      try row.insert(db)
+      try Self.insertItem(db, &row)
       try Self.touchDirectory(db, parent, now)
       try self.enqueue(db, row.id!)
       inserted(row.id!)
@@ -427,7 +438,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
   public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
-    try pool.write { db in
+    try write { db in
       guard
         let row = try ItemRow.fetchOne(
           db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name]),
@@ -564,7 +575,7 @@ public final class IndexStore: @unchecked Sendable {
     parent: Int64, name: String, newParent: Int64, newName: String, mode: RenameMode
   ) throws -> RenameResult {
     try ItemName.validate(newName)
-    return try pool.write { db in
+    return try write { db in
       guard let srcID = try Self.childID(db, parent, name),
         var src = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])
       else {
@@ -717,7 +728,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
   public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
-    try pool.write { db in
+    try write { db in
       guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
         throw UbiqError.notFound("inode \(inode)")
       }
@@ -733,7 +744,7 @@ public final class IndexStore: @unchecked Sendable {
       if let m = c.mtimeNs { row.mtimeNs = m }
       row.ctimeNs = now
       if c.syncs { row.revision += 1 }
-      try row.update(db)
+      try Self.updateItem(db, row)
       if c.syncs { try self.enqueue(db, inode) }
       return row
     }
@@ -751,7 +762,7 @@ public final class IndexStore: @unchecked Sendable {
     _ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false, synced: Bool = false
   ) throws {
     let now = self.clock.nowNs()
-    try pool.write { db in
+    try write { db in
       try db.cached(
         """
         UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
@@ -815,7 +826,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Drops a dirty mark without recording anything (the cache file is gone).
   public func clearContentDirty(_ inode: Int64) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("DELETE FROM dirtyContent WHERE item = ?").execute(arguments: [inode])
     }
   }
@@ -823,7 +834,7 @@ public final class IndexStore: @unchecked Sendable {
   /// The cache file of `inode` was fdatasync'ed after revision `revision` was recorded: its
   /// bytes up to that revision are durable.
   public func clearContentUnsynced(_ inode: Int64, upTo revision: Int64) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("DELETE FROM unsyncedContent WHERE item = ? AND revision <= ?")
         .execute(arguments: [inode, revision])
     }
@@ -856,7 +867,7 @@ public final class IndexStore: @unchecked Sendable {
   public enum XattrMode: Sendable { case any, create, replace }
 
   public func setXattr(_ inode: Int64, _ name: String, _ value: Data, mode: XattrMode) throws {
-    try pool.write { db in
+    try write { db in
       let exists =
         try Bool.fetchOne(db.cached("SELECT 1 FROM xattrs WHERE item = ? AND name = ?"), arguments: [inode, name])
         ?? false
@@ -872,7 +883,7 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func removeXattr(_ inode: Int64, _ name: String) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("DELETE FROM xattrs WHERE item = ? AND name = ?").execute(arguments: [inode, name])
       if db.changesCount == 0 { throw UbiqError.noData(name) }
       try db.execute(
@@ -884,7 +895,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Sets or clears the explicit `user.ubiq.excluded` flag.
   public func setExcluded(_ inode: Int64, _ excluded: Bool) throws {
-    try pool.write { db in
+    try write { db in
       let before = try Self.isLocalOnly(db, inode)
       try db.cached("UPDATE items SET excluded = ? WHERE id = ?").execute(arguments: [excluded, inode])
       let after = try Self.isLocalOnly(db, inode)
@@ -902,7 +913,7 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func setPinned(_ inode: Int64, _ pinned: Bool) throws {
-    try pool.write { db in
+    try write { db in
       try db.cached("UPDATE items SET pinned = ? WHERE id = ?").execute(arguments: [pinned, inode])
     }
   }

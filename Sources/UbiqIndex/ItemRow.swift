@@ -241,30 +241,22 @@ extension ItemRow {
   /// The positions of a `SELECT *` row's columns.
   private static let positions = Array(columnNames.indices)
 
-  /// Encodes every column (the inverse of `init(row:)`), for inserts and updates.
+  /// Every column's value in `columnNames` order (the inverse of `init(row:)`), for inserts
+  /// and updates.
+  var databaseValues: [DatabaseValue] {
+    [
+      id.databaseValue, itemID.databaseValue, parent.databaseValue, name.databaseValue,
+      kind.rawValue.databaseValue, mode.databaseValue, uid.databaseValue, gid.databaseValue, size.databaseValue,
+      mtimeNs.databaseValue, ctimeNs.databaseValue, atimeNs.databaseValue, symlinkTarget.databaseValue,
+      etag.databaseValue, chunks.databaseValue, content.rawValue.databaseValue, revision.databaseValue,
+      syncedRevision.databaseValue, pinned.databaseValue, excluded.databaseValue, lastUsedNs.databaseValue,
+      base.databaseValue, conflicts.databaseValue,
+    ]
+  }
+
+  var databaseArguments: StatementArguments { StatementArguments(databaseValues) }
+
   public func encode(to container: inout PersistenceContainer) throws {
-    container["id"] = id
-    container["itemID"] = itemID
-    container["parent"] = parent
-    container["name"] = name
-    container["kind"] = kind.rawValue
-    container["mode"] = mode
-    container["uid"] = uid
-    container["gid"] = gid
-    container["size"] = size
-    container["mtimeNs"] = mtimeNs
-    container["ctimeNs"] = ctimeNs
-    container["atimeNs"] = atimeNs
-    container["symlinkTarget"] = symlinkTarget
-    container["etag"] = etag
-    container["chunks"] = chunks
-    container["content"] = content.rawValue
-    container["revision"] = revision
-    container["syncedRevision"] = syncedRevision
-    container["pinned"] = pinned
-    container["excluded"] = excluded
-    container["lastUsedNs"] = lastUsedNs
-    container["base"] = base
-    container["conflicts"] = conflicts
+    for (name, value) in zip(Self.columnNames, databaseValues) { container[name] = value }
   }
 }

@@ -1,0 +1,93 @@
+import Foundation
+import GRDB
+import Testing
+
+@testable import UbiqCore
+@testable import UbiqIndex
+
+/// The index's write transactions (`IndexStore.write`) and its row statements
+/// (`insertItem`, `updateItem`): all or nothing, and rows written as they are read back.
+@Suite struct IndexWriteTests {
+  static func openIndex() throws -> (IndexStore, URL) {
+    let dir = FileManager.default.temporaryDirectory.appendingPathComponent("index-write-\(UUID().uuidString)")
+    try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
+    try index.bootstrap(uid: 0, gid: 0)
+    return (index, dir)
+  }
+
+  static func documents(_ index: IndexStore) throws -> Int64 {
+    try #require(try index.item(itemID: WellKnownItem.documents)?.id)
+  }
+
+  static func names(_ index: IndexStore) throws -> [String] {
+    try index.children(of: documents(index), after: 0, limit: 100).map(\.name).sorted()
+  }
+
+  @Test func aBodyThatThrowsLeavesNothing() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    struct Failure: Error {}
+    #expect(throws: Failure.self) {
+      try index.write { db in
+        var row = ItemRow(itemID: "a", parent: docs, name: "a", kind: .file, mode: 0o644, mtimeNs: 1)
+        try IndexStore.insertItem(db, &row)
+        throw Failure()
+      }
+    }
+    #expect(try Self.names(index) == [])
+    // The connection is usable afterwards, and a body that returns commits.
+    _ = try index.create(parent: docs, name: "b", kind: .file, mode: 0o644, uid: 0, gid: 0)
+    #expect(try Self.names(index) == ["b"])
+  }
+
+  @Test func aTransactionSQLiteEndedIsNotReportedAsCommitted() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    #expect(throws: DatabaseError.self) {
+      try index.write { db in
+        var row = ItemRow(itemID: "a", parent: docs, name: "a", kind: .file, mode: 0o644, mtimeNs: 1)
+        try IndexStore.insertItem(db, &row)
+        try db.execute(sql: "ROLLBACK")
+      }
+    }
+    #expect(try Self.names(index) == [])
+  }
+
+  @Test func aRowWrittenIsTheRowReadBack() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    var row = ItemRow(
+      itemID: "i", parent: docs, name: "é x", kind: .symlink, mode: 0o777, uid: 7, gid: 8, size: 3, mtimeNs: -5,
+      symlinkTarget: "t/u", etag: "e1", content: .dataless)
+    row.ctimeNs = Int64.min
+    row.atimeNs = Int64.max
+    row.chunks = "[]"
+    row.revision = 4
+    row.syncedRevision = 2
+    row.pinned = true
+    row.excluded = true
+    row.lastUsedNs = 9
+    row.base = "{}"
+    row.conflicts = "[1]"
+    try index.write { db in try IndexStore.insertItem(db, &row) }
+    #expect(row.id != nil)
+    #expect(try index.item(row.id!) == row)
+    row.name = "renamed"
+    row.etag = nil
+    row.pinned = false
+    try index.write { db in try IndexStore.updateItem(db, row) }
+    #expect(try index.item(row.id!) == row)
+  }
+
+  @Test func anUpdateOfAMissingRowFails() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let row = ItemRow(
+      id: 999, itemID: "gone", parent: IndexStore.rootInode, name: "gone", kind: .file, mode: 0o644, mtimeNs: 1)
+    #expect(throws: RecordError.self) { try index.write { db in try IndexStore.updateItem(db, row) } }
+  }
+}
