@@ -83,6 +83,14 @@ import Testing
     #expect(try index.item(row.id!) == row)
   }
 
+  @Test func theWriterCheckpointsAfterItsOwnFrameCountNotSQLitesDefault() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let frames = try index.pool.write { db in try Int.fetchOne(db, sql: "PRAGMA wal_autocheckpoint") }
+    #expect(frames == IndexStore.checkpointFrames)
+    #expect(IndexStore.checkpointFrames > 1000)
+  }
+
   @Test func anUpdateOfAMissingRowFails() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
