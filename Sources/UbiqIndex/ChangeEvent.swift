@@ -137,7 +137,7 @@ extension IndexStore {
   /// Runs `body` in the current write transaction with its changes marked as remote.
   static func asRemote<T>(_ db: Database, _ body: () throws -> T) throws -> T {
     try db.cached("UPDATE eventOrigin SET remote = 1").execute()
-    defer { _ = try? db.cached("UPDATE eventOrigin SET remote = 0").execute() }
+    defer { if db.isInsideTransaction { _ = try? db.cached("UPDATE eventOrigin SET remote = 0").execute() } }
     return try body()
   }
 }

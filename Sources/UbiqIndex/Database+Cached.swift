@@ -12,7 +12,9 @@ extension IndexStore {
   /// Runs `body` in one write transaction, as `pool.write` does, with BEGIN IMMEDIATE and
   /// COMMIT prepared once per connection (GRDB parses them again for every transaction, which
   /// cost a tenth of a create's index time). A body that throws is rolled back; a transaction
-  /// that SQLite ended by itself (disk full, I/O error) fails at its COMMIT.
+  /// that SQLite ended by itself (disk full, I/O error) fails at its COMMIT. A body must not
+  /// catch a database error and go on: after SQLite rolled back by itself, its next statements
+  /// would each commit alone.
   func write<T>(_ body: (Database) throws -> T) throws -> T {
     try pool.writeWithoutTransaction { db in
       try db.cached("BEGIN IMMEDIATE TRANSACTION").execute()
@@ -37,7 +39,8 @@ extension IndexStore {
   /// Writes every column of `row` over the row with its `id`; throws if there is none.
   static func updateItem(_ db: Database, _ row: ItemRow) throws {
     guard let id = row.id else { throw UbiqError.io("an item row without an inode cannot be updated") }
-    var arguments = row.databaseArguments
+    // Every column but the first, `id`: rewriting the rowid would delete and insert the row.
+    var arguments = StatementArguments(row.databaseValues.dropFirst())
     arguments += [id]
     try db.cached(updateItemSQL).execute(arguments: arguments)
     if db.changesCount == 0 {
@@ -50,7 +53,7 @@ extension IndexStore {
     + Array(repeating: "?", count: ItemRow.columnNames.count).joined(separator: ", ") + ")"
 
   private static let updateItemSQL =
-    "UPDATE items SET \(ItemRow.columnNames.map { "\($0) = ?" }.joined(separator: ", ")) WHERE id = ?"
+    "UPDATE items SET \(ItemRow.columnNames.dropFirst().map { "\($0) = ?" }.joined(separator: ", ")) WHERE id = ?"
 }
 
 /// Read-only connections for the single-statement reads of every lookup, getattr and readdir

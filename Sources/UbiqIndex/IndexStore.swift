@@ -371,7 +371,8 @@ public final class IndexStore: @unchecked Sendable {
           """), arguments: arguments)
       // Decoded in place, while the cursor (and the statement's row) lives: no copy of the row.
       return try withExtendedLifetime(rows) {
-        try rows.next().map { (try ItemRow(row: $0), $0[ItemRow.columnNames.count]) }
+        // The count is the last column: `items` may have columns after `ItemRow`'s.
+        try rows.next().map { (try ItemRow(row: $0), $0[$0.count - 1]) }
       }
     }
   }

@@ -91,6 +91,24 @@ import Testing
     #expect(IndexStore.checkpointFrames > 1000)
   }
 
+  @Test func aFoldersLinkCountIsRightWhenItemsHasColumnsAfterItemRows() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    // A later release's column, in an index this build opens.
+    try index.pool.write { db in try db.execute(sql: "ALTER TABLE items ADD COLUMN later INTEGER DEFAULT 7") }
+    let reopened = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
+    let docs = try Self.documents(reopened)
+    let folder = try reopened.create(parent: docs, name: "d", kind: .directory, mode: 0o755, uid: 0, gid: 0)
+    _ = try reopened.create(parent: folder.id!, name: "sub", kind: .directory, mode: 0o755, uid: 0, gid: 0)
+    _ = try reopened.create(parent: folder.id!, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0)
+    #expect(try reopened.itemWithSubdirectoryCount(folder.id!)?.subdirectories == 1)
+    #expect(try reopened.childWithSubdirectoryCount(of: docs, named: "d")?.subdirectories == 1)
+    var row = try #require(try reopened.item(folder.id!))
+    row.mode = 0o700
+    try reopened.write { db in try IndexStore.updateItem(db, row) }
+    #expect(try reopened.item(folder.id!) == row)
+  }
+
   @Test func anUpdateOfAMissingRowFails() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
