@@ -200,7 +200,10 @@ public final class KVMirror: @unchecked Sendable {
   /// `server_change` (visible values changed). Returns the changed keys.
   @discardableResult
   public func applyPull(_ snap: KVSnapshot) throws -> [String] {
-    try db.write { db in
+    // Nothing new: no write, so a mount that pulls every second does not write (and sync) the
+    // store's file every second.
+    if snap.entries.isEmpty, try token() == snap.token { return [] }
+    return try db.write { db in
       let initial = try meta(db, "token") == nil
       let before = try Self.visible(db)
       for e in snap.entries { try apply(db, e) }

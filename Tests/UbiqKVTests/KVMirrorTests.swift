@@ -12,6 +12,21 @@ final class KVMirrorTests: XCTestCase {
     return try KVMirror(path: dir.appendingPathComponent("kv.sqlite"), container: .defaultContainer)
   }
 
+  /// The daemon pulls every second; a pull that brings nothing writes nothing (an idle mount
+  /// would otherwise write and sync the store's file every second).
+  func testAPullWithNothingNewWritesNothing() throws {
+    let m = try makeMirror()
+    let entry = KVEntry(key: "b", value: .string("x"), timestamp: 50, device: "d2", seq: 1)
+    try m.applyPull(KVSnapshot(entries: [entry], token: 1, usedBytes: 0, keyCount: 1))
+    let changes = try m.db.read { $0.totalChangesCount }
+    XCTAssertEqual(try m.applyPull(KVSnapshot(entries: [], token: 1, usedBytes: 0, keyCount: 1)), [])
+    XCTAssertEqual(try m.db.read { $0.totalChangesCount }, changes)
+    // A new token with no entries is still stored.
+    try m.applyPull(KVSnapshot(entries: [], token: 5, usedBytes: 0, keyCount: 1))
+    XCTAssertEqual(try m.token(), 5)
+    XCTAssertEqual(try m.get("b"), .string("x"))
+  }
+
   func testPendingOverlaysAndLWWOnPull() throws {
     let m = try makeMirror()
     try m.write("a", .int(1), timestamp: 100)
