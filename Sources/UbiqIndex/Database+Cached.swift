@@ -32,7 +32,7 @@ extension IndexStore {
   /// Inserts `row` into `items` with a statement prepared once per connection (GRDB's record
   /// insert builds its SQL for every call), and sets its `id` to the new inode.
   static func insertItem(_ db: Database, _ row: inout ItemRow) throws {
-    try db.cached(insertItemSQL).execute(arguments: row.databaseArguments)
+    try db.cached(insertItemSQL).execute(arguments: StatementArguments(row.databaseValues))
     row.id = db.lastInsertedRowID
   }
 

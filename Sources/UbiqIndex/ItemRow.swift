@@ -12,9 +12,7 @@ public enum ContentState: Int, Codable, Sendable {
 
 /// One item of the local index. `id` is the inode number the mount reports, stable for the
 /// item's lifetime on this device; `itemID` is its identity in the cloud.
-public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equatable, Sendable {
-  public static let databaseTableName = "items"
-
+public struct ItemRow: Codable, FetchableRecord, Equatable, Sendable {
   public var id: Int64?
   public var itemID: String
   public var parent: Int64?
@@ -47,8 +45,6 @@ public struct ItemRow: Codable, FetchableRecord, MutablePersistableRecord, Equat
 
   public var inode: UInt64 { UInt64(id ?? 0) }
   public var isDirectory: Bool { kind == .directory }
-
-  public mutating func didInsert(_ inserted: InsertionSuccess) { id = inserted.rowID }
 
   public init(
     id: Int64? = nil, itemID: String, parent: Int64?, name: String, kind: ItemKind, mode: UInt32, uid: UInt32 = 0,
@@ -241,8 +237,8 @@ extension ItemRow {
   /// The positions of a `SELECT *` row's columns.
   private static let positions = Array(columnNames.indices)
 
-  /// Every column's value in `columnNames` order (the inverse of `init(row:)`), for inserts
-  /// and updates.
+  /// Every column's value in `columnNames` order (the inverse of `init(row:)`), for
+  /// `IndexStore.insertItem` and `updateItem`.
   var databaseValues: [DatabaseValue] {
     [
       id.databaseValue, itemID.databaseValue, parent.databaseValue, name.databaseValue,
@@ -252,11 +248,5 @@ extension ItemRow {
       syncedRevision.databaseValue, pinned.databaseValue, excluded.databaseValue, lastUsedNs.databaseValue,
       base.databaseValue, conflicts.databaseValue,
     ]
-  }
-
-  var databaseArguments: StatementArguments { StatementArguments(databaseValues) }
-
-  public func encode(to container: inout PersistenceContainer) throws {
-    for (name, value) in zip(Self.columnNames, databaseValues) { container[name] = value }
   }
 }
