@@ -232,6 +232,40 @@ extension IndexStore {
       parentHere: { try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [$0]) },
       parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent })
     guard let plan else { return false }
+    return try moveBack(db, plan, stale: &stale)
+  }
+
+  /// Undoes this device's move of folder `inode` (queue entry `seq`), which the cloud refused
+  /// as a cycle: another device's move crossed it and the cloud took that one first
+  /// (`RemotePlanner.undoRefusedMove`). The folder goes back where the cloud has it, each
+  /// move a new local revision that is uploaded. Nil when there is nothing to undo yet (the
+  /// entry is retried, and the pull brings what the cloud knows); else the entries the kernel
+  /// must forget.
+  public func undoRefusedMove(seq: Int64, inode: Int64) throws -> RemoteApplyResult? {
+    try write { db in
+      let parentHere = { (id: Int64) in
+        try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [id])
+      }
+      let plan = try RemotePlanner.undoRefusedMove(
+        of: inode, maxDepth: Self.maxDepth, parentHere: parentHere,
+        parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent },
+        queuedBefore: { folder in
+          try Bool.fetchOne(
+            db.cached("SELECT 1 FROM uploadQueue WHERE item = ? AND seq < ? AND lastErrno IS NOT ?"),
+            arguments: [folder, seq, EINVAL]) == true
+        })
+      var stale: [(Int64, String)] = []
+      guard let plan, try moveBack(db, plan, stale: &stale) else { return nil }
+      return RemoteApplyResult(outcome: .updated(contentChanged: false), inode: inode, staleEntries: stale)
+    }
+  }
+
+  /// Moves each folder of `plan` back to its parent in the cloud, under its name there (or a
+  /// free one if another item holds it here), as a new local revision that is uploaded. False
+  /// if a folder is gone or has no place in the cloud.
+  func moveBack(_ db: Database, _ plan: [(folder: Int64, backTo: Int64)], stale: inout [(Int64, String)]) throws
+    -> Bool
+  {
     for (folder, back) in plan {
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
         var name = try Self.placeInCloud(db, of: folder)?.name

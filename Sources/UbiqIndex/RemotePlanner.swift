@@ -124,6 +124,34 @@ public enum RemotePlanner {
     return try makeRoom(for: dir, in: target) ? plan : nil
   }
 
+  /// The moves that undo this device's move of folder `dir`, which the cloud refused because
+  /// the new parent is below `dir` there: another device's move crossed it and the cloud took
+  /// that one first, so this one loses. `dir` goes back to its place in the cloud, after the
+  /// folders that must make room for it there (`undoCrossedMoves`), last in the list. Nil
+  /// (try again later) while the cycle is not known here (the pull that brings the other move
+  /// has not run), while a change queued here before this move (`queuedBefore`) to a folder on
+  /// the cloud's chain may still break the cycle, or when `dir` is where the cloud has it.
+  /// `parentHere` and `parentInCloud` are as in `undoCrossedMoves`.
+  public static func undoRefusedMove(
+    of dir: Int64, maxDepth: Int, parentHere: (Int64) throws -> Int64?, parentInCloud: (Int64) throws -> Int64?,
+    queuedBefore: (Int64) throws -> Bool
+  ) rethrows -> [(folder: Int64, backTo: Int64)]? {
+    guard let here = try parentHere(dir), let back = try parentInCloud(dir), back != here else { return nil }
+    // The cloud's chain from the new parent up to `dir`.
+    var node = here
+    var depth = 0
+    while node != dir {
+      guard depth <= maxDepth, try !queuedBefore(node), let up = try parentInCloud(node) else { return nil }
+      node = up
+      depth += 1
+    }
+    guard
+      let room = try undoCrossedMoves(
+        of: dir, into: back, maxDepth: maxDepth, parentHere: parentHere, parentInCloud: parentInCloud)
+    else { return nil }
+    return room + [(dir, back)]
+  }
+
   /// The item that holds, on this device, the name a remote record wants.
   public struct NameHolder: Sendable, Equatable {
     public var itemID: String

@@ -603,9 +603,24 @@ public final class UploadWorker: @unchecked Sendable {
     log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
     recorded((try? index.markFailed(seq: entry.seq, error: message, errno: code)) != nil)
     switch error {
-    case CloudError.cycle, CloudError.badParent:
-      // The item's new place moved or went away in the cloud: the pull brings that here, and
-      // settles this change (a move that loses a crossed move is undone).
+    case CloudError.cycle:
+      // Another device's move crossed this one and the cloud took it first: this move loses.
+      // Once the pull has brought the other move here, the folder goes back where the cloud
+      // has it, and the entry uploads that.
+      if let inode = entry.item {
+        do {
+          if let undone = try index.undoRefusedMove(seq: entry.seq, inode: inode) {
+            log.info("move of \(inode) crossed another device's move and lost; it is undone here")
+            onMerged([undone])
+          }
+        } catch {
+          log.error("upload queue: cannot undo the move of \(inode): \(error)")
+        }
+      }
+      onNeedsPull()
+    case CloudError.badParent:
+      // The item's new place went away in the cloud: the pull brings that here, and settles
+      // this change.
       onNeedsPull()
     default: break
     }

@@ -14,6 +14,13 @@ import UbiqIndex
   import Glibc
 #endif
 
+/// The invariants a simulation run broke at its end, with the steps that led there.
+struct SimulationFailure: Error, CustomStringConvertible {
+  var broken: [String]
+  var report: String
+  var description: String { broken.map { "- \($0)" }.joined(separator: "\n") + "\n" + report }
+}
+
 /// One generated step of the multi-device simulation: which device acts, what it does, and
 /// small integer arguments the shrinker can simplify.
 struct SyncStep: Sendable, CustomStringConvertible {
@@ -429,6 +436,10 @@ final class SyncSimulation {
   /// what it has seen.
   var observed: [Set<String>]
   var log: [String] = []
+  /// The steps run, as `(device, kind, a, b, n)` tuples to paste into `regressions`.
+  var replay: [String] = []
+  /// The steps run, by name and as tuples, for a failure's message.
+  var report: String { "steps: \(log); replay as (device, kind, a, b, n): [\(replay.joined(separator: ", "))]" }
   var step = 0
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
@@ -499,6 +510,7 @@ final class SyncSimulation {
   func run(_ s: SyncStep) throws {
     step += 1
     log.append(s.description)
+    replay.append("(\(s.device), \(s.kind), \(s.a), \(s.b), \(s.n))")
     for link in links { try runBlocking { await link.stepPassed() } }
     // 0 to 1.6 s pass before each step, drawn from the step (a shrunk step takes no time).
     time.advance(byNs: Int64((s.a + s.b + s.n) % 5) * 400_000_000)
@@ -874,36 +886,36 @@ final class SyncSimulation {
     return (tree, orphans)
   }
 
-  /// Heals, waits for quiet, and checks every invariant.
+  /// Heals, waits for quiet, and checks every invariant; throws `SimulationFailure` with every
+  /// invariant broken. It throws rather than records, so that a random test's budget sees the
+  /// failure and lets the shrinker finish after the time is up.
   func finish() throws {
+    var broken: [String] = []
+    func check(_ holds: Bool, _ what: @autoclosure () -> String) { if !holds { broken.append(what()) } }
     let quiet = try quiesce()
-    #expect(quiet, "the devices never stop uploading or pulling; steps: \(log)")
+    check(quiet, "the devices never stop uploading or pulling")
     for d in devices.indices {
       let left = try devices[d].index.dueQueue(now: Int64.max / 2, limit: 10)
-      #expect(
-        left.isEmpty, "device \(d) still has \(left.count) queued: \(left.map { $0.lastError ?? "" }); steps: \(log)")
+      check(left.isEmpty, "device \(d) still has \(left.count) queued: \(left.map { $0.lastError ?? "" })")
     }
     let views = try devices.indices.map { try view($0) }
     for d in views.indices {
-      #expect(views[d].unreachable == 0, "device \(d) has \(views[d].unreachable) unreachable items; steps: \(log)")
+      check(views[d].unreachable == 0, "device \(d) has \(views[d].unreachable) unreachable items")
       if d > 0 {
-        #expect(
-          views[d].tree == views[0].tree,
-          "device \(d) differs from device 0; steps: \(log)\n\(diff(views[0].tree, views[d].tree))")
+        check(
+          views[d].tree == views[0].tree, "device \(d) differs from device 0:\n\(diff(views[0].tree, views[d].tree))")
       }
     }
     for d in devices.indices {
-      #expect(try devices[d].index.heldRemote().isEmpty, "device \(d) still holds remote records; steps: \(log)")
+      check(try devices[d].index.heldRemote().isEmpty, "device \(d) still holds remote records")
     }
     let cloud = try cloudTree()
-    #expect(cloud.orphans == 0, "the cloud has \(cloud.orphans) items outside the tree; steps: \(log)")
-    #expect(
-      cloud.tree == views[0].tree, "the cloud differs from device 0; steps: \(log)\n\(diff(cloud.tree, views[0].tree))")
+    check(cloud.orphans == 0, "the cloud has \(cloud.orphans) items outside the tree")
+    check(cloud.tree == views[0].tree, "the cloud differs from device 0:\n\(diff(cloud.tree, views[0].tree))")
     for w in writes where !w.superseded {
-      #expect(
-        views[0].hashes.contains(w.hash),
-        "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID)); steps: \(log)")
+      check(views[0].hashes.contains(w.hash), "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID))")
     }
+    if !broken.isEmpty { throw SimulationFailure(broken: broken, report: report) }
     Self.stats["steps", default: 0] += step
     Self.stats["acknowledged writes checked", default: 0] += writes.filter { !$0.superseded }.count
   }
@@ -1058,6 +1070,15 @@ final class SyncSimulation {
     // content (it committed it, but the content is device 2's): device 2's write stays (found
     // by the simulation with feed faults, seed Op46ULsKAbapZwuE4iDQZ6OghepGU94/5a6MaQgu1TI=).
     [(0, 0, 2, 0, 0), (0, 7, 0, 0, 947), (2, 8, 0, 0, 0), (2, 0, 2, 0, 0), (2, 6, 0, 0, 0), (0, 7, 0, 0, 2562)],
+    // From the folder tree d/e/d, e/d/e, d/d/e, d/e/f: device 1 moves d/d/e into e/d and e/d
+    // over d/d, and uploads; device 0, which has seen none of it, moves e/d into d/d and d/e
+    // into d/d/e, then pulls. The cloud refuses device 0's move of e/d as a cycle (found by the
+    // folder soak, seed PLhUVakBJBFXDvC0cXt8aqcWF6ntHftyA8lalhhOibY=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 18, 14, 9, 0), (0, 18, 9, 10, 0), (0, 18, 7, 14, 0), (1, 5, 9, 10, 0), (1, 6, 2, 2, 0),
+      (2, 18, 10, 7, 0), (0, 8, 2, 2, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed

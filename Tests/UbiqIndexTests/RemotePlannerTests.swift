@@ -201,4 +201,58 @@ import Testing
       }
     }
   }
+
+  /// Move/move into a cycle, seen from the device whose move lost: the cloud has folder `dir`
+  /// above the parent this device moved it into. When the cycle is known here and no change
+  /// queued earlier can break it, the planner puts `dir` back where the cloud has it, moving
+  /// only folders moved here, each to its place in the cloud; afterwards every folder still
+  /// reaches the root. Otherwise it waits.
+  @Test func aMoveTheCloudRefusedAsACycleGoesBackWithoutLeavingACycleOrAnOrphan() async {
+    let scripts = Gen.int(in: 0...99).array(of: 6...40)
+    await propertyCheck(count: Self.cases, input: scripts) { script in
+      guard var t = CrossedMoves(script) else { return }
+      // This device's own move of `dir` (the record's folder in the generated tree): into a
+      // folder that is below `dir` in the cloud, and not below it here.
+      let candidates = t.parentInCloud.keys.sorted().filter {
+        $0 != t.dir && CrossedMoves.within($0, t.dir, t.parentInCloud)
+          && !CrossedMoves.within($0, t.dir, t.parentHere) && t.parentHere[t.dir] != $0
+      }
+      guard !candidates.isEmpty else { return }
+      let into = candidates[script[0] % candidates.count]
+      t.parentHere[t.dir] = into
+      let earlier = Set(t.localMoves.map(\.0).filter { _ in script[1] % 4 == 0 })
+      let plan = RemotePlanner.undoRefusedMove(
+        of: t.dir, maxDepth: 64, parentHere: { t.parentHere[$0] }, parentInCloud: { t.parentInCloud[$0] },
+        queuedBefore: { earlier.contains($0) })
+      var chainQueued = false
+      var cur = into
+      while cur != t.dir {
+        if earlier.contains(cur) { chainQueued = true }
+        cur = t.parentInCloud[cur]!
+      }
+      guard let plan else {
+        #expect(chainQueued, "the move was not undone, with nothing queued before it on the chain: \(t)")
+        return
+      }
+      #expect(!chainQueued, "undone while an earlier change on the chain may still break the cycle: \(t)")
+      #expect(plan.last?.folder == t.dir && plan.last?.backTo == t.parentInCloud[t.dir], "\(plan): \(t)")
+      var after = t.parentHere
+      for step in plan {
+        #expect(after[step.folder] != t.parentInCloud[step.folder], "\(step.folder) was not moved here: \(t)")
+        #expect(
+          step.backTo == t.parentInCloud[step.folder], "\(step.folder) goes elsewhere than the cloud has it: \(t)")
+        after[step.folder] = step.backTo
+      }
+      #expect(Set(plan.map(\.folder)).count == plan.count, "a folder moved twice: \(plan) \(t)")
+      for folder in after.keys {
+        var cur = folder
+        var steps = 0
+        while cur != 0 && steps <= after.count {
+          cur = after[cur] ?? -1
+          steps += 1
+        }
+        #expect(cur == 0, "folder \(folder) no longer reaches the root after \(plan): \(t)")
+      }
+    }
+  }
 }
