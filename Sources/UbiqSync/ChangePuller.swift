@@ -109,10 +109,8 @@ public final class ChangePuller: @unchecked Sendable {
       // makes progress. Then items that hold each other's names (a swap) step aside for each
       // other, and any other collision is settled by the naming rule.
       for final in [false, true] {
-        // Only items whose record can be applied now (its parent is here) may step aside.
-        let movable = try deferred.filter { try $0.parentID.flatMap { try index.item(itemID: $0) } != nil }
         let policy: IndexStore.NameCollisionPolicy =
-          final ? .moveAsideHolders(Set(movable.map(\.itemID))) : .deferUnchangedHolders
+          final ? .moveAsideHolders(try Self.movable(deferred, index: index)) : .deferUnchangedHolders
         var progress = true
         while progress && !deferred.isEmpty {
           progress = false
@@ -155,6 +153,28 @@ public final class ChangePuller: @unchecked Sendable {
     applied += report(try applyHeld())
     if !deferred.isEmpty { log.info("\(deferred.count) remote items wait for their parent") }
     return applied
+  }
+
+  /// The items among `deferred` records that may step aside under a temporary name for another
+  /// record of the pull: those whose own record is applied in the same pass, so that the name
+  /// is temporary. That is a record whose folder is here, or is made by another such record
+  /// (a file moving into a new folder that takes the file's old name: `mkdir b; mv c b/c;
+  /// mv b c`).
+  static func movable(_ deferred: [CloudItem], index: IndexStore) throws -> Set<String> {
+    var movable = Set<String>()
+    var rest = deferred
+    var grew = true
+    while grew {
+      grew = false
+      rest = try rest.filter { item in
+        guard let parent = item.parentID else { return false }
+        guard try movable.contains(parent) || index.item(itemID: parent) != nil else { return true }
+        movable.insert(item.itemID)
+        grew = true
+        return false
+      }
+    }
+    return movable
   }
 
   /// Hands the results that changed something here to `onApplied`; returns how many there were.

@@ -578,6 +578,12 @@ final class ModelRun {
     [(0, 1, 0, 0), (0, 0, 0, 0), (18, 1, 0, 0), (1, 2, 1, 2611), (19, 1, 3, 0), (14, 1, 0, 2718), (1, 1, 1, 4330)],
     // A reader holds a file changed remotely open; the file is renamed, then written.
     [(0, 2, 0, 0), (19, 2, 0, 0), (10, 2, 0, 7), (4, 2, 0, 0), (9, 0, 0, 0), (1, 0, 0, 2)],
+    // File c moves into new folder b, and b is renamed c (mkdir b; mv c b/c; mv b c). The
+    // other device pulls the file's move and the new folder in one page: the file holds the
+    // name the folder takes, and moves into that folder, so it steps aside until the folder
+    // is made; the folder keeps its name c (found by the model test, seed
+    // 8qnr0fOOEVBLcKRebGr8BZ+H4EEb4J82rYi50JSCR2w=).
+    [(0, 2, 0, 0), (19, 2, 0, 0), (6, 1, 0, 0), (4, 2, 6, 0), (4, 1, 2, 0), (0, 1, 0, 0), (19, 1, 0, 0)],
   ]
 
   @Test func knownSequences() async throws {
