@@ -23,6 +23,10 @@ public final class IndexStore: @unchecked Sendable {
   public let identifiers: IdentifierSource
   /// The connections of `readOne`.
   let statementReaders: StatementReaders
+  /// Whether `makeDurable` has synced the folder that holds the WAL's directory entry
+  /// (guarded by `walDirectoryLock`).
+  private var walDirectorySynced = false
+  private let walDirectoryLock = NSLock()
 
   /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
   public init(
@@ -308,16 +312,38 @@ public final class IndexStore: @unchecked Sendable {
     try pool.read { db in try Self.isLocalOnly(db, inode) }
   }
 
-  /// Makes every committed change durable. The index runs with synchronous=NORMAL, so ordinary
-  /// commits reach the WAL without an fsync; this commits one small change with
-  /// synchronous=FULL, whose fsync of the WAL covers every earlier commit of any connection or
-  /// process (a checkpoint cannot be relied on: it skips the WAL's fsync when readers keep it
-  /// from copying anything). Called where a caller was promised durability: fsync, fsyncdir,
-  /// `sync --wait`, and before the first write to a file whose content is durable.
+  /// Makes every commit made so far durable, by any connection or process. Called where a
+  /// caller was promised durability (fsync, fsyncdir, `sync --wait`), before the first write to
+  /// a file whose content is durable, and before a commit is sent. The index runs with
+  /// synchronous=NORMAL, so ordinary commits reach the WAL without an fsync. This is an
+  /// fdatasync of the WAL file, without holding the writer, so namespace changes go on
+  /// meanwhile. It covers every commit: a commit's frames are written to the WAL before it
+  /// returns and stay there until a checkpoint has copied them into the database file and
+  /// synced that file (with synchronous=NORMAL a checkpoint syncs the WAL before copying and
+  /// the database file after; the WAL is reused only once everything in it was copied). The
+  /// WAL's directory entry is synced once (SQLite would sync it at its first synced commit).
+  /// Where there is no WAL file (an index no connection holds open in WAL mode), a commit with
+  /// synchronous=FULL does it.
   public func makeDurable() throws {
-    try pool.writeWithoutTransaction { db in try Self.syncedCommit(db) }
+    let wal = pool.path + "-wal"
+    let fd = open(wal, O_RDONLY | O_CLOEXEC)
+    guard fd >= 0 else {
+      if errno == ENOENT { return try pool.writeWithoutTransaction { db in try Self.syncedCommit(db) } }
+      throw UbiqError.posix(errno, "open of the index's WAL")
+    }
+    defer { close(fd) }
+    if fdatasync(fd) != 0 { throw UbiqError.posix(errno, "fdatasync of the index's WAL") }
+    if !walDirectoryLock.withLock({ walDirectorySynced }) {
+      let dir = open((pool.path as NSString).deletingLastPathComponent, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+      guard dir >= 0 else { throw UbiqError.posix(errno, "open of the index's folder") }
+      defer { close(dir) }
+      if fsync(dir) != 0 { throw UbiqError.posix(errno, "fsync of the index's folder") }
+      walDirectoryLock.withLock { walDirectorySynced = true }
+    }
   }
 
+  /// Commits one small change with synchronous=FULL: its fsync of the WAL covers every earlier
+  /// commit.
   static func syncedCommit(_ db: Database) throws {
     try inSyncedTransaction(db) { db in
       // A value that changes: an UPDATE that writes identical bytes leaves no WAL frame to sync.
@@ -495,26 +521,27 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Marks the entries of items with no confirmed upload as possibly in the cloud, durably, before
-  /// their commits are sent (one synced commit for the whole batch; nothing if all are marked).
+  /// their commits are sent: one commit and one sync of the index for the whole batch, the sync
+  /// outside the writer (nothing if every item has been in the cloud).
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
-    try pool.writeWithoutTransaction { db in
-      let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
-      let unmarked = try Int.fetchOne(
+    let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
+    let firstUploads = try write { db -> Int in
+      let count = try Int.fetchOne(
         db,
         sql: """
           SELECT count(*) FROM uploadQueue q JOIN items i ON i.id = q.item
-          WHERE q.item IN (\(marks)) AND q.commitSent = 0 AND i.etag IS NULL
+          WHERE q.item IN (\(marks)) AND i.etag IS NULL
           """, arguments: StatementArguments(items))
-      guard (unmarked ?? 0) > 0 else { return }
-      try Self.inSyncedTransaction(db) { db in
-        try db.execute(
-          sql: """
-            UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
-            AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
-            """, arguments: StatementArguments(items))
-      }
+      try db.execute(
+        sql: """
+          UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
+          AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
+          """, arguments: StatementArguments(items))
+      return count ?? 0
     }
+    // Marks made earlier count too: their sync may have failed.
+    if firstUploads > 0 { try makeDurable() }
   }
 
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
@@ -803,8 +830,8 @@ public final class IndexStore: @unchecked Sendable {
   /// bytes in the cache file but lose the mark, leaving an index that describes (and may call
   /// uploaded) other bytes than the file holds.
   public func markContentDirty(_ inode: Int64) throws {
+    var needsSync = false
     try pool.writeWithoutTransaction { db in
-      var needsSync = false
       try db.inTransaction {
         // An unlinked file that is still open has no row: nothing to recover for it.
         let marked =
@@ -823,8 +850,8 @@ public final class IndexStore: @unchecked Sendable {
         needsSync = inserted && !marked && hasContent
         return .commit
       }
-      if needsSync { try Self.syncedCommit(db) }
     }
+    if needsSync { try makeDurable() }
   }
 
   /// Files whose handles had unrecorded writes when the daemon stopped (a crash).

@@ -91,6 +91,34 @@ import Testing
     #expect(IndexStore.checkpointFrames > 1000)
   }
 
+  /// An fsync (`makeDurable`) does not wait for the writer: namespace changes go on while the
+  /// WAL is synced, and a long write transaction does not hold up an fsync. (That what it
+  /// syncs survives a power loss is checked on LazyFS: Tests/integration/test_power_loss.py.)
+  @Test func makingTheIndexDurableDoesNotWaitForTheWriter() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    try index.write { db in try db.execute(sql: "INSERT INTO meta(key, value) VALUES ('k', 'v')") }
+    let writing = DispatchSemaphore(value: 0)
+    let release = DispatchSemaphore(value: 0)
+    let writer = Thread {
+      try? index.write { _ in
+        writing.signal()
+        release.wait()
+      }
+    }
+    writer.start()
+    writing.wait()
+    let durable = DispatchSemaphore(value: 0)
+    Thread {
+      try? index.makeDurable()
+      durable.signal()
+    }.start()
+    let returned = durable.wait(timeout: .now() + 10) == .success
+    release.signal()
+    if !returned { durable.wait() }
+    #expect(returned, "makeDurable waited for the write transaction")
+  }
+
   @Test func aFoldersLinkCountIsRightWhenItemsHasColumnsAfterItemRows() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
