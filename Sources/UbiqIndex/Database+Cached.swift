@@ -57,24 +57,39 @@ extension IndexStore {
 }
 
 /// Read-only connections for the single-statement reads of every lookup, getattr and readdir
-/// (`IndexStore.readOne`), taken in turn. GRDB's pool asks each read for the schema version (one
-/// more statement, a fifth of a getattr); this index's schema changes only when it is opened
-/// (its migrations), and SQLite prepares a statement again by itself if it ever does.
+/// (`IndexStore.readOne`); each read takes the connection with the fewest reads running on it
+/// (in turn among equals), so a slow read holds up no other while a connection is free. GRDB's
+/// pool asks each read for the schema version (one more statement, a fifth of a getattr); this
+/// index's schema changes only when it is opened (its migrations), and SQLite prepares a
+/// statement again by itself if it ever does.
 final class StatementReaders: @unchecked Sendable {
   static let count = 4
   private let queues: [DatabaseQueue]
   private let lock = NSLock()
+  /// Where the search for the least used connection starts (guarded by `lock`).
   private var next = 0
+  /// Reads running or waiting on each connection (guarded by `lock`).
+  private var running: [Int]
 
-  init(queues: [DatabaseQueue]) { self.queues = queues }
+  init(queues: [DatabaseQueue]) {
+    self.queues = queues
+    running = Array(repeating: 0, count: queues.count)
+  }
 
-  /// `body` on the next connection, or nil when there are none (a read-only index).
+  /// `body` on the least used connection, or nil when there are none (a read-only index).
   func read<T>(_ body: (Database) throws -> T) throws -> T? {
     if queues.isEmpty { return nil }
-    let queue = lock.withLock {
-      defer { next = (next + 1) % queues.count }
-      return queues[next]
+    let chosen = lock.withLock {
+      var best = next
+      for k in 1..<queues.count {
+        let i = (next + k) % queues.count
+        if running[i] < running[best] { best = i }
+      }
+      running[best] += 1
+      next = (best + 1) % queues.count
+      return best
     }
-    return try queue.unsafeRead(body)
+    defer { lock.withLock { running[chosen] -= 1 } }
+    return try queues[chosen].unsafeRead(body)
   }
 }

@@ -119,6 +119,33 @@ import Testing
     #expect(returned, "makeDurable waited for the write transaction")
   }
 
+  /// A slow read (a readdir of a big folder) holds up no getattr or lookup while another
+  /// connection is free: with one read held, as many reads as there are connections finish.
+  @Test func aHeldReadHoldsUpNoOtherReadWhileAConnectionIsFree() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let reading = DispatchSemaphore(value: 0)
+    let release = DispatchSemaphore(value: 0)
+    Thread {
+      _ = try? index.readOne { _ in
+        reading.signal()
+        release.wait()
+      }
+    }.start()
+    reading.wait()
+    let done = DispatchSemaphore(value: 0)
+    Thread {
+      for _ in 0..<StatementReaders.count {
+        _ = try? index.readOne { db in try Int.fetchOne(db, sql: "SELECT 1") }
+      }
+      done.signal()
+    }.start()
+    let finished = done.wait(timeout: .now() + 10) == .success
+    release.signal()
+    if !finished { done.wait() }
+    #expect(finished, "a read waited for the held one")
+  }
+
   @Test func aFoldersLinkCountIsRightWhenItemsHasColumnsAfterItemRows() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
