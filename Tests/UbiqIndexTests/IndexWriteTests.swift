@@ -91,6 +91,32 @@ import Testing
     #expect(IndexStore.checkpointFrames > 1000)
   }
 
+  /// Whether `work` finishes (within 10 s) while another thread is inside `hold`'s region:
+  /// `hold` runs on a thread of its own and calls `inside` from the region, which returns once
+  /// the check is done.
+  static func finishes(
+    _ work: @escaping @Sendable () -> Void, whileHolding hold: @escaping @Sendable (_ inside: () -> Void) -> Void
+  ) -> Bool {
+    let holding = DispatchSemaphore(value: 0)
+    let release = DispatchSemaphore(value: 0)
+    Thread {
+      hold {
+        holding.signal()
+        release.wait()
+      }
+    }.start()
+    holding.wait()
+    let done = DispatchSemaphore(value: 0)
+    Thread {
+      work()
+      done.signal()
+    }.start()
+    let finished = done.wait(timeout: .now() + 10) == .success
+    release.signal()
+    if !finished { done.wait() }
+    return finished
+  }
+
   /// An fsync (`makeDurable`) does not wait for the writer: namespace changes go on while the
   /// WAL is synced, and a long write transaction does not hold up an fsync. (That what it
   /// syncs survives a power loss is checked on LazyFS: Tests/integration/test_power_loss.py.)
@@ -98,25 +124,9 @@ import Testing
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
     try index.write { db in try db.execute(sql: "INSERT INTO meta(key, value) VALUES ('k', 'v')") }
-    let writing = DispatchSemaphore(value: 0)
-    let release = DispatchSemaphore(value: 0)
-    let writer = Thread {
-      try? index.write { _ in
-        writing.signal()
-        release.wait()
-      }
-    }
-    writer.start()
-    writing.wait()
-    let durable = DispatchSemaphore(value: 0)
-    Thread {
-      try? index.makeDurable()
-      durable.signal()
-    }.start()
-    let returned = durable.wait(timeout: .now() + 10) == .success
-    release.signal()
-    if !returned { durable.wait() }
-    #expect(returned, "makeDurable waited for the write transaction")
+    let finished = Self.finishes(
+      { try? index.makeDurable() }, whileHolding: { inside in try? index.write { _ in inside() } })
+    #expect(finished, "makeDurable waited for the write transaction")
   }
 
   /// A slow read (a readdir of a big folder) holds up no getattr or lookup while another
@@ -124,25 +134,12 @@ import Testing
   @Test func aHeldReadHoldsUpNoOtherReadWhileAConnectionIsFree() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
-    let reading = DispatchSemaphore(value: 0)
-    let release = DispatchSemaphore(value: 0)
-    Thread {
-      _ = try? index.readOne { _ in
-        reading.signal()
-        release.wait()
-      }
-    }.start()
-    reading.wait()
-    let done = DispatchSemaphore(value: 0)
-    Thread {
-      for _ in 0..<StatementReaders.count {
-        _ = try? index.readOne { db in try Int.fetchOne(db, sql: "SELECT 1") }
-      }
-      done.signal()
-    }.start()
-    let finished = done.wait(timeout: .now() + 10) == .success
-    release.signal()
-    if !finished { done.wait() }
+    let finished = Self.finishes(
+      {
+        for _ in 0..<StatementReaders.count {
+          _ = try? index.readOne { db in try Int.fetchOne(db, sql: "SELECT 1") }
+        }
+      }, whileHolding: { inside in _ = try? index.readOne { _ in inside() } })
     #expect(finished, "a read waited for the held one")
   }
 

@@ -178,27 +178,10 @@ import Testing
         Issue.record("the loop remains: \(t)")
         return
       }
-      var after = t.parentHere
-      for step in plan {
-        #expect(after[step.folder] != t.parentInCloud[step.folder], "\(step.folder) was not moved here: \(t)")
-        #expect(
-          step.backTo == t.parentInCloud[step.folder], "\(step.folder) goes elsewhere than the cloud has it: \(t)")
-        after[step.folder] = step.backTo
-      }
-      #expect(Set(plan.map(\.folder)).count == plan.count, "a folder moved twice: \(plan) \(t)")
       if !CrossedMoves.within(t.target, t.dir, t.parentHere) {
         #expect(plan.isEmpty, "nothing crosses, yet \(plan): \(t)")
       }
-      after[t.dir] = t.target
-      for folder in after.keys {
-        var cur = folder
-        var steps = 0
-        while cur != 0 && steps <= after.count {
-          cur = after[cur] ?? -1
-          steps += 1
-        }
-        #expect(cur == 0, "folder \(folder) no longer reaches the root after \(plan): \(t)")
-      }
+      Self.checkMovesBack(plan, in: t, then: (t.dir, t.target))
     }
   }
 
@@ -236,23 +219,32 @@ import Testing
       }
       #expect(!chainQueued, "undone while an earlier change on the chain may still break the cycle: \(t)")
       #expect(plan.last?.folder == t.dir && plan.last?.backTo == t.parentInCloud[t.dir], "\(plan): \(t)")
-      var after = t.parentHere
-      for step in plan {
-        #expect(after[step.folder] != t.parentInCloud[step.folder], "\(step.folder) was not moved here: \(t)")
-        #expect(
-          step.backTo == t.parentInCloud[step.folder], "\(step.folder) goes elsewhere than the cloud has it: \(t)")
-        after[step.folder] = step.backTo
+      Self.checkMovesBack(plan, in: t, then: nil)
+    }
+  }
+
+  /// Checks a plan of folders put back: each was moved here, goes where the cloud has it, and
+  /// only once; after the plan and the move `then`, every folder still reaches the root.
+  static func checkMovesBack(
+    _ plan: [(folder: Int64, backTo: Int64)], in t: CrossedMoves, then move: (Int64, Int64)?
+  ) {
+    var after = t.parentHere
+    for step in plan {
+      #expect(after[step.folder] != t.parentInCloud[step.folder], "\(step.folder) was not moved here: \(t)")
+      #expect(
+        step.backTo == t.parentInCloud[step.folder], "\(step.folder) goes elsewhere than the cloud has it: \(t)")
+      after[step.folder] = step.backTo
+    }
+    #expect(Set(plan.map(\.folder)).count == plan.count, "a folder moved twice: \(plan) \(t)")
+    if let (folder, into) = move { after[folder] = into }
+    for folder in after.keys {
+      var cur = folder
+      var steps = 0
+      while cur != 0 && steps <= after.count {
+        cur = after[cur] ?? -1
+        steps += 1
       }
-      #expect(Set(plan.map(\.folder)).count == plan.count, "a folder moved twice: \(plan) \(t)")
-      for folder in after.keys {
-        var cur = folder
-        var steps = 0
-        while cur != 0 && steps <= after.count {
-          cur = after[cur] ?? -1
-          steps += 1
-        }
-        #expect(cur == 0, "folder \(folder) no longer reaches the root after \(plan): \(t)")
-      }
+      #expect(cur == 0, "folder \(folder) no longer reaches the root after \(plan): \(t)")
     }
   }
 }
