@@ -526,19 +526,24 @@ public final class IndexStore: @unchecked Sendable {
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
     let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
-    let firstUploads = try write { db -> Int in
-      let count = try Int.fetchOne(
+    let counts = try pool.read { db in
+      try Row.fetchOne(
         db,
         sql: """
-          SELECT count(*) FROM uploadQueue q JOIN items i ON i.id = q.item
+          SELECT count(*), count(*) FILTER (WHERE q.commitSent = 0) FROM uploadQueue q JOIN items i ON i.id = q.item
           WHERE q.item IN (\(marks)) AND i.etag IS NULL
           """, arguments: StatementArguments(items))
-      try db.execute(
-        sql: """
-          UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
-          AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
-          """, arguments: StatementArguments(items))
-      return count ?? 0
+    }
+    // By position: the first uploads, those of them not marked yet.
+    let (firstUploads, unmarked): (Int, Int) = counts.map { ($0[0], $0[1]) } ?? (0, 0)
+    if unmarked > 0 {
+      try write { db in
+        try db.execute(
+          sql: """
+            UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
+            AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
+            """, arguments: StatementArguments(items))
+      }
     }
     // Marks made earlier count too: their sync may have failed.
     if firstUploads > 0 { try makeDurable() }

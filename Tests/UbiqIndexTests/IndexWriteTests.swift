@@ -143,6 +143,28 @@ import Testing
     #expect(finished, "a read waited for the held one")
   }
 
+  /// Before a batch is sent, the entries of items the cloud has never confirmed are marked as
+  /// possibly in the cloud (a later delete then asks the cloud); items with an etag are not.
+  @Test func aBatchMarksOnlyItemsTheCloudHasNeverConfirmed() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let new = try #require(try index.create(parent: docs, name: "new", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let known = try #require(
+      try index.create(parent: docs, name: "known", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    try index.write { db in try db.execute(sql: "UPDATE items SET etag = '5' WHERE id = ?", arguments: [known]) }
+    func marked() throws -> [Int64] {
+      try index.pool.read { db in
+        try Int64.fetchAll(db, sql: "SELECT item FROM uploadQueue WHERE commitSent = 1 ORDER BY item")
+      }
+    }
+    #expect(try marked() == [])
+    try index.markCommitsSent(items: [new, known])
+    #expect(try marked() == [new])
+    try index.markCommitsSent(items: [new, known])
+    #expect(try marked() == [new])
+  }
+
   @Test func aFoldersLinkCountIsRightWhenItemsHasColumnsAfterItemRows() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
