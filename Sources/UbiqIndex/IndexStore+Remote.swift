@@ -243,19 +243,33 @@ extension IndexStore {
   /// must forget.
   public func undoRefusedMove(seq: Int64, inode: Int64) throws -> RemoteApplyResult? {
     try write { db in
+      // Done or replaced since it was refused: nothing to undo.
+      guard
+        try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE seq = ? AND item = ?"), arguments: [seq, inode])
+          == true
+      else { return nil }
       let parentHere = { (id: Int64) in
         try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [id])
       }
       let plan = try RemotePlanner.undoRefusedMove(
         of: inode, maxDepth: Self.maxDepth, parentHere: parentHere,
         parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent },
-        queuedBefore: { folder in
+        movedHere: { folder in
+          // Queued, not refused as a cycle itself, and here in another folder than its base's.
           try Bool.fetchOne(
-            db.cached("SELECT 1 FROM uploadQueue WHERE item = ? AND seq < ? AND lastErrno IS NOT ?"),
-            arguments: [folder, seq, EINVAL]) == true
+            db.cached(
+              """
+              SELECT 1 FROM uploadQueue q JOIN items i ON i.id = q.item
+              WHERE q.item = ? AND q.lastErrno IS NOT ?
+                AND json_extract(i.base, '$.parentID') IS NOT (SELECT itemID FROM items WHERE id = i.parent)
+              """), arguments: [folder, EINVAL]) == true
         })
+      guard let plan else { return nil }
       var stale: [(Int64, String)] = []
-      guard let plan, try moveBack(db, plan, stale: &stale) else { return nil }
+      // All or nothing: a folder that cannot go back rolls back the ones moved before it.
+      guard try moveBack(db, plan, stale: &stale) else {
+        throw UbiqError.io("cannot put folder \(inode) back where the cloud has it")
+      }
       return RemoteApplyResult(outcome: .updated(contentChanged: false), inode: inode, staleEntries: stale)
     }
   }

@@ -129,19 +129,20 @@ public enum RemotePlanner {
   /// that one first, so this one loses. `dir` goes back to its place in the cloud, after the
   /// folders that must make room for it there (`undoCrossedMoves`), last in the list. Nil
   /// (try again later) while the cycle is not known here (the pull that brings the other move
-  /// has not run), while a change queued here before this move (`queuedBefore`) to a folder on
-  /// the cloud's chain may still break the cycle, or when `dir` is where the cloud has it.
-  /// `parentHere` and `parentInCloud` are as in `undoCrossedMoves`.
+  /// has not run), while a move of this device's own not yet in the cloud (`movedHere`) takes a
+  /// folder on the cloud's chain elsewhere and may still break the cycle (queue order is not the
+  /// order of the user's moves: `mv A A2; mv A2/B B; mv A2 B/` queues A first), or when `dir` is
+  /// where the cloud has it. `parentHere` and `parentInCloud` are as in `undoCrossedMoves`.
   public static func undoRefusedMove(
     of dir: Int64, maxDepth: Int, parentHere: (Int64) throws -> Int64?, parentInCloud: (Int64) throws -> Int64?,
-    queuedBefore: (Int64) throws -> Bool
+    movedHere: (Int64) throws -> Bool
   ) rethrows -> [(folder: Int64, backTo: Int64)]? {
     guard let here = try parentHere(dir), let back = try parentInCloud(dir), back != here else { return nil }
     // The cloud's chain from the new parent up to `dir`.
     var node = here
     var depth = 0
     while node != dir {
-      guard depth <= maxDepth, try !queuedBefore(node), let up = try parentInCloud(node) else { return nil }
+      guard depth <= maxDepth, try !movedHere(node), let up = try parentInCloud(node) else { return nil }
       node = up
       depth += 1
     }

@@ -1532,6 +1532,32 @@ final class SyncSimulation {
     }
   }
 
+  /// This device's own moves, queued in another order than they were made: `mv A A2;
+  /// mv A2/B B; mv A2 B/` queues A's move first (A was queued by the first rename). The cloud
+  /// refuses A's move into B as a cycle until B's move out of A is in; that is no crossed move
+  /// of another device, so A's move must go through, not be undone.
+  @Test func ownMovesQueuedOutOfOrderAreNotUndoneAsACycle() async throws {
+    try await onOwnThread {
+      let w = try CoreWorld()
+      let a = try w.core.mkdir(parent: w.documents, name: "A", mode: 0o755, caller: .current).inode
+      _ = try w.core.mkdir(parent: a, name: "B", mode: 0o755, caller: .current)
+      try w.drainUploads()
+      try w.core.rename(parent: w.documents, name: "A", newParent: w.documents, newName: "A2", flags: [])
+      try w.core.rename(parent: a, name: "B", newParent: w.documents, newName: "B", flags: [])
+      let b = try #require(try w.inode("B"))
+      try w.core.rename(parent: w.documents, name: "A2", newParent: b, newName: "A2", flags: [])
+      for _ in 0..<3 {
+        try w.drainUploads()
+        try w.pull()
+      }
+      #expect(try w.inode("B/A2") == a, "the move of A2 into B was undone here")
+      let other = try CoreWorld(cloud: w.cloud)
+      try other.pull()
+      #expect(try other.inode("B/A2") != nil, "the cloud does not have A2 in B")
+      #expect(try other.inode("A2") == nil)
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(
