@@ -229,7 +229,7 @@ extension IndexStore {
   {
     let plan = try RemotePlanner.undoCrossedMoves(
       of: dir, into: parent, maxDepth: Self.maxDepth,
-      parentHere: { try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [$0]) },
+      parentHere: { try Self.parent(db, of: $0) },
       parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent })
     guard let plan else { return false }
     return try moveBack(db, plan, stale: &stale)
@@ -248,11 +248,8 @@ extension IndexStore {
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE seq = ? AND item = ?"), arguments: [seq, inode])
           == true
       else { return nil }
-      let parentHere = { (id: Int64) in
-        try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [id])
-      }
       let plan = try RemotePlanner.undoRefusedMove(
-        of: inode, maxDepth: Self.maxDepth, parentHere: parentHere,
+        of: inode, maxDepth: Self.maxDepth, parentHere: { try Self.parent(db, of: $0) },
         parentInCloud: { try Self.placeInCloud(db, of: $0)?.parent },
         movedHere: { folder in
           // Queued, not refused as a cycle itself, and here in another folder than its base's.

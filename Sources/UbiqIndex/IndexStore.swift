@@ -430,7 +430,7 @@ public final class IndexStore: @unchecked Sendable {
       var depth = 0
       while let c = cur, depth <= Self.maxDepth {
         if c == ancestor { return true }
-        cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
+        cur = try Self.parent(db, of: c)
         depth += 1
       }
       return false
@@ -757,6 +757,11 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
+  /// The parent of item `id` here (nil for the root or a missing item).
+  static func parent(_ db: Database, of id: Int64) throws -> Int64? {
+    try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [id])
+  }
+
   /// Throws EINVAL if directory `dir` is `start` or one of its ancestors (a move of `dir` into
   /// `start` would put it below itself); EIO if the chain is longer than any real tree.
   static func refuseMoveBelowItself(_ db: Database, _ dir: Int64, into start: Int64?) throws {
@@ -767,7 +772,7 @@ public final class IndexStore: @unchecked Sendable {
       depth += 1
       // A chain longer than any real tree means the index holds a cycle: refuse, never spin.
       if depth > maxDepth { throw UbiqError.io("the folders above the target form a cycle") }
-      cur = try Int64.fetchOne(db.cached("SELECT parent FROM items WHERE id = ?"), arguments: [c])
+      cur = try Self.parent(db, of: c)
     }
   }
 
