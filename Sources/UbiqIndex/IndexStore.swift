@@ -345,24 +345,15 @@ public final class IndexStore: @unchecked Sendable {
   /// Commits one small change with synchronous=FULL: its fsync of the WAL covers every earlier
   /// commit.
   static func syncedCommit(_ db: Database) throws {
-    try inSyncedTransaction(db) { db in
+    try db.execute(sql: "PRAGMA synchronous = FULL")
+    defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
+    try db.inTransaction {
       // A value that changes: an UPDATE that writes identical bytes leaves no WAL frame to sync.
       try db.execute(
         sql: """
           INSERT INTO meta(key, value) VALUES ('durableSeq', '1')
           ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1
           """)
-    }
-  }
-
-  /// Runs `body` in a transaction committed with synchronous=FULL: once this returns, the WAL
-  /// is synced, this transaction's changes and every earlier commit with them. `body` must
-  /// change something, or there is no frame to sync.
-  static func inSyncedTransaction(_ db: Database, _ body: (Database) throws -> Void) throws {
-    try db.execute(sql: "PRAGMA synchronous = FULL")
-    defer { try? db.execute(sql: "PRAGMA synchronous = NORMAL") }
-    try db.inTransaction {
-      try body(db)
       return .commit
     }
   }
