@@ -163,8 +163,8 @@ extension IndexStore {
       case .parkHolder:
         // The holder's own record is in this pull and takes it elsewhere (two items swapped
         // names): it waits under a temporary local name until its record is applied.
-        let parked = "\u{1}moving \(other.itemID)"
-        try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [parked, otherID])
+        try db.execute(
+          sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [Self.parkedName(other.itemID), otherID])
         stale += [(parent, other.name)]
       case .holderYields:
         let moved = try Self.freeName(db, parent, other.name)
@@ -326,6 +326,45 @@ extension IndexStore {
     /// Holders among these item ids (their records are in this pull) step aside under a
     /// temporary local name; others are settled.
     case moveAsideHolders(Set<String>)
+  }
+
+  /// The temporary local name of an item that stepped aside for another record of a pull
+  /// (`NameCollisionPolicy.moveAsideHolders`) until its own record moves it.
+  static func parkedName(_ itemID: String) -> String { "\u{1}moving \(itemID)" }
+
+  /// Gives a name back to each of `itemIDs` that is still under its temporary name because its
+  /// own record did not apply in the pull that parked it (the file was opened for writing in
+  /// between, say): the name it had if that is free, else "name 2.ext", which goes to the
+  /// cloud like any name the naming rule changes. Idempotent; items not parked are left alone.
+  public func unpark(itemIDs: some Collection<String>) throws -> [RemoteApplyResult] {
+    guard !itemIDs.isEmpty else { return [] }
+    return try write { db in
+      var results: [RemoteApplyResult] = []
+      for itemID in itemIDs {
+        guard
+          let row = try ItemRow.fetchOne(
+            db.cached("SELECT * FROM items WHERE itemID = ? AND name = ?"),
+            arguments: [itemID, Self.parkedName(itemID)]),
+          let id = row.id, let parent = row.parent
+        else { continue }
+        // Parking changed only the name: the one it had is the one the cloud has.
+        let had = row.baseItem?.name ?? itemID
+        var name = had
+        if try Self.childID(db, parent, had) == nil {
+          try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [had, id])
+        } else {
+          name = try Self.freeName(db, parent, had)
+          try db.execute(
+            sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+            arguments: [name, self.clock.nowNs(), id])
+          try self.enqueue(db, id)
+        }
+        results.append(
+          RemoteApplyResult(
+            outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)]))
+      }
+      return results
+    }
   }
 
   /// "name 2.ext", "name 3.ext", ...: the first that is free in `parent`.

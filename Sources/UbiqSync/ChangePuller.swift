@@ -108,9 +108,10 @@ public final class ChangePuller: @unchecked Sendable {
       // name may be moving away later in the feed (exchanges): retry the deferred while that
       // makes progress. Then items that hold each other's names (a swap) step aside for each
       // other, and any other collision is settled by the naming rule.
+      var movable = Set<String>()
       for final in [false, true] {
-        let policy: IndexStore.NameCollisionPolicy =
-          final ? .moveAsideHolders(try Self.movable(deferred, index: index)) : .deferUnchangedHolders
+        if final { movable = try Self.movable(deferred, index: index, isBusy: inodes.isBusy) }
+        let policy: IndexStore.NameCollisionPolicy = final ? .moveAsideHolders(movable) : .deferUnchangedHolders
         var progress = true
         while progress && !deferred.isEmpty {
           progress = false
@@ -127,6 +128,9 @@ public final class ChangePuller: @unchecked Sendable {
           deferred = still
         }
       }
+      // An item that stepped aside but whose own record did not apply (it was opened for
+      // writing meanwhile) gets a name back now, not when that record comes again.
+      all += try index.unpark(itemIDs: movable)
       token = batch.token
       if !batch.hasMore {
         // Records whose folder is not here (not in the cloud either, or a change of this device
@@ -159,8 +163,9 @@ public final class ChangePuller: @unchecked Sendable {
   /// record of the pull: those whose own record is applied in the same pass, so that the name
   /// is temporary. That is a record whose folder is here, or is made by another such record
   /// (a file moving into a new folder that takes the file's old name: `mkdir b; mv c b/c;
-  /// mv b c`).
-  static func movable(_ deferred: [CloudItem], index: IndexStore) throws -> Set<String> {
+  /// mv b c`), of an item not open for writing here (`isBusy`: its record waits for the
+  /// handle).
+  static func movable(_ deferred: [CloudItem], index: IndexStore, isBusy: (Int64) -> Bool) throws -> Set<String> {
     var movable = Set<String>()
     var rest = deferred
     var grew = true
@@ -168,6 +173,7 @@ public final class ChangePuller: @unchecked Sendable {
       grew = false
       rest = try rest.filter { item in
         guard let parent = item.parentID else { return false }
+        if let inode = try index.etag(itemID: item.itemID)?.inode, isBusy(inode) { return false }
         guard try movable.contains(parent) || index.item(itemID: parent) != nil else { return true }
         movable.insert(item.itemID)
         grew = true

@@ -1558,6 +1558,63 @@ final class SyncSimulation {
     }
   }
 
+  /// The two guards of a pull that parks an item under a temporary name for another record
+  /// (`mkdir x; mv c x/c; mv x c` on the other device): an item open for writing is never chosen
+  /// to step aside (its own record waits for the handle), and an item that stepped aside but
+  /// whose record did not apply (opened for writing in between) gets a visible name back.
+  @Test func anItemWhoseRecordWaitsDoesNotKeepATemporaryName() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      try a.writeFile("c", Data("one\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let since = try b.index.changeToken()
+      let x = try a.core.mkdir(parent: a.documents, name: "x", mode: 0o755, caller: .current).inode
+      try a.core.rename(parent: a.documents, name: "c", newParent: x, newName: "c", flags: [])
+      try a.core.rename(parent: a.documents, name: "x", newParent: a.documents, newName: "c", flags: [])
+      try a.drainUploads()
+      let records = try runBlocking { try await cloud.changes(a.container, since: since, limit: 10) }.items
+      let c = try #require(try b.inode("c"))
+      let fileID = try #require(try b.index.item(c)?.itemID)
+      let folder = try #require(records.first { $0.itemID != fileID })
+      try checkThat(records.count == 2, "the feed holds \(records.map(\.name))")
+
+      let handle = try b.core.open(c, flags: O_WRONLY, caller: .current).handle
+      let whileOpen = try ChangePuller.movable(records, index: b.index, isBusy: b.core.inodes.isBusy)
+      b.core.release(handle)
+      let closed = try ChangePuller.movable(records, index: b.index, isBusy: b.core.inodes.isBusy)
+      try checkThat(whileOpen == [folder.itemID], "movable while the file is open: \(whileOpen)")
+      try checkThat(closed == [folder.itemID, fileID], "movable once it is closed: \(closed)")
+
+      // The file steps aside for the folder, and its own record does not come.
+      let parked = try b.index.applyRemote(folder, uid: getuid(), gid: getgid(), collisions: .moveAsideHolders(closed))
+      try checkThat(parked.outcome == .created, "the folder's record: \(parked.outcome)")
+      try checkThat(try b.listing("").contains { $0.hasPrefix("\u{1}") }, "the file did not step aside")
+      let results = try b.index.unpark(itemIDs: closed)
+      try checkThat(results.map(\.inode) == [c], "unparked \(results.map(\.inode))")
+      try checkThat(try b.listing("").sorted() == [".", "..", "c", "c 2"], "b shows \(try b.listing(""))")
+      try checkThat(try b.inode("c 2") == c, "the file is not c 2")
+      try checkThat(try b.index.unpark(itemIDs: closed).isEmpty, "a second unpark changed something")
+
+      // The name goes to the cloud like any the naming rule gives, and the devices agree.
+      for _ in 0..<3 {
+        try b.drainUploads()
+        try a.drainUploads()
+        try a.pull()
+        try b.pull()
+      }
+      let top = try a.listing("").sorted()
+      try checkThat(try b.listing("").sorted() == top, "a shows \(top), b shows \(try b.listing("").sorted())")
+      for w in [a, b] {
+        let inode = try #require(try w.index.item(itemID: fileID)?.id)
+        let full = try #require(try w.index.path(of: inode))
+        try checkThat(full.hasPrefix("Documents/"), "the file is at \(full)")
+        let path = String(full.dropFirst("Documents/".count))
+        try checkThat(try w.readFile(path) == Data("one\n".utf8), "the file's content is not in \(path)")
+      }
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(
