@@ -213,27 +213,41 @@ extension IndexStore {
   /// refused because the item changed there (`restoring`: the cloud's record, held so that the
   /// next pull brings it back). One transaction, so no pull sees the entry gone without the
   /// held record in place.
-  public func finishDelete(seq: Int64, itemID: String, restoring current: CloudItem?) throws {
+  public func finishDelete(seq: Int64, itemID: String, removed: String?, restoring current: CloudItem?) throws {
     try write { db in
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       if let current {
         try Self.holdRemote(db, current)
       } else {
-        try Self.releaseHeld(db, itemID: itemID)
+        try Self.deleteDone(db, itemID: itemID, removed: removed)
       }
     }
   }
 
   /// Records deletes the cloud carried out (each as `finishDelete` with nothing to restore),
   /// in one transaction: each entry (by its queue sequence number) leaves the queue.
-  public func finishDeletes(_ done: [(seq: Int64, itemID: String)]) throws {
+  public func finishDeletes(_ done: [(seq: Int64, itemID: String, removed: String)]) throws {
     if done.isEmpty { return }
     try write { db in
-      for (seq, itemID) in done {
+      for (seq, itemID, removed) in done {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
-        try Self.releaseHeld(db, itemID: itemID)
+        try Self.deleteDone(db, itemID: itemID, removed: removed)
       }
     }
+  }
+
+  /// The cloud deleted `itemID` for this device. `removed`: the etag of the live version the
+  /// delete removed (nil: none was live), remembered until the change feed passes it, so
+  /// that a page read before the delete cannot bring the item back (`RemotePlanner.decide`).
+  static func deleteDone(_ db: Database, itemID: String, removed: String?) throws {
+    try releaseHeld(db, itemID: itemID)
+    guard let upTo = removed.flatMap({ Int64($0) }) else { return }
+    try db.cached(
+      """
+      INSERT INTO deletedHere(itemID, upTo) VALUES (?, ?)
+      ON CONFLICT(itemID) DO UPDATE SET upTo = max(upTo, excluded.upTo)
+      """
+    ).execute(arguments: [itemID, upTo])
   }
 
   public func markDone(seq: Int64) throws {

@@ -34,7 +34,15 @@ public struct RemoteApplyResult: Sendable {
 extension IndexStore {
   /// The change-feed position this device has applied.
   public func changeToken() throws -> Int64 { Int64(try meta("changeToken") ?? "0") ?? 0 }
-  public func setChangeToken(_ t: Int64) throws { try setMeta("changeToken", String(t)) }
+  /// Moves the change-feed position to `t`, once every record up to it is applied or held.
+  /// The deletes done here whose last live version is at or before `t` are forgotten: a page
+  /// read from now on starts after that version, so it can no longer bring it back.
+  public func setChangeToken(_ t: Int64) throws {
+    try write { db in
+      try db.cached("INSERT OR REPLACE INTO meta(key, value) VALUES ('changeToken', ?)").execute(arguments: [String(t)])
+      try db.cached("DELETE FROM deletedHere WHERE upTo <= ?").execute(arguments: [t])
+    }
+  }
 
   /// Applies one remote item version to the index. Files whose content changed become dataless
   /// (downloaded on the next read). Never touches an item with local changes waiting to upload.
@@ -101,7 +109,12 @@ extension IndexStore {
         hasChildren: try !seen && r.deleted
           && Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [row.id!]) == true)
     }
-    let decision = RemotePlanner.decide(r, local: view, deleteQueued: deleteQueued)
+    // Deleted here and in the cloud: a page read before the delete was done may still hold the
+    // version it removed.
+    let deletedHere =
+      local == nil && !r.deleted
+      ? try Int64.fetchOne(db.cached("SELECT upTo FROM deletedHere WHERE itemID = ?"), arguments: [r.itemID]) : nil
+    let decision = RemotePlanner.decide(r, local: view, deleteQueued: deleteQueued, deletedHere: deletedHere)
     switch (decision, local?.id) {
     case (.holdBack, _):
       return RemoteApplyResult(outcome: .locallyModified, inode: local?.id)

@@ -295,7 +295,7 @@ public final class UploadWorker: @unchecked Sendable {
       let done = next.prefix(results.committed.count)
       do {
         if !done.isEmpty {
-          try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID) })
+          try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID, $0.delete.ifMatch) })
           recorded(true)
           log.debug("deleted \(done.count) items together")
         }
@@ -586,7 +586,7 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = try await cloud.item(container, itemID: itemID)
           }
         }
-        try index.finishDelete(seq: entry.seq, itemID: itemID, restoring: restoring)
+        try index.finishDelete(seq: entry.seq, itemID: itemID, removed: etag, restoring: restoring)
         if restoring != nil { onNeedsPull() }
       }
       recorded(true)

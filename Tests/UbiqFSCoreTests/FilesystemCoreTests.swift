@@ -563,11 +563,25 @@ extension FilesystemCoreTests {
 }
 
 /// The embedded cloud with a switch in front of chunk downloads: while held, `getChunk` waits,
-/// so a test can act while a download is in flight.
+/// so a test can act while a download is in flight. `afterChanges` runs once a page of the
+/// change feed is read and before it is handed over, and `beforePut` before a version is
+/// committed, so a test can act between the two.
 final class GatedCloud: CloudService, @unchecked Sendable {
   let inner: CloudService
   private let lock = NSCondition()
   private var held = false
+  private var changesHook: (@Sendable () throws -> Void)?
+  private var putHook: (@Sendable () throws -> Void)?
+
+  var afterChanges: (@Sendable () throws -> Void)? {
+    get { lock.withLock { changesHook } }
+    set { lock.withLock { changesHook = newValue } }
+  }
+
+  var beforePut: (@Sendable () throws -> Void)? {
+    get { lock.withLock { putHook } }
+    set { lock.withLock { putHook = newValue } }
+  }
 
   init() {
     let dir = CoreWorld.temporaryFolder("gated")
@@ -591,7 +605,8 @@ final class GatedCloud: CloudService, @unchecked Sendable {
   func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
   func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
   func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
-    try await inner.putItem(container, item, ifMatch: ifMatch)
+    try beforePut?()
+    return try await inner.putItem(container, item, ifMatch: ifMatch)
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
@@ -602,7 +617,9 @@ final class GatedCloud: CloudService, @unchecked Sendable {
     try await inner.item(container, itemID: itemID)
   }
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
-    try await inner.changes(container, since: since, limit: limit)
+    let batch = try await inner.changes(container, since: since, limit: limit)
+    try afterChanges?()
+    return batch
   }
   func usage() async throws -> Usage { try await inner.usage() }
   func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {

@@ -1615,6 +1615,42 @@ final class SyncSimulation {
     }
   }
 
+  /// A page of the feed read before this device's delete of an item is done in the cloud, and
+  /// applied after it, does not bring the item back. rsync twice: the second run renames its
+  /// new version over the first while the first one's commit is on its way (so the first is
+  /// deleted, not continued); the page the pull reads then holds the first one, live, and its
+  /// delete is done while the pull waits for the page.
+  @Test func aRecordReadBeforeThisDevicesDeleteDoesNotBringTheItemBack() async throws {
+    try await onOwnThread {
+      let cloud = GatedCloud()
+      let a = try CoreWorld(cloud: cloud)
+      try a.writeFile("top.txt", Data("one\n".utf8))
+      cloud.beforePut = {
+        cloud.beforePut = nil
+        try a.writeFile(".top.txt.XyZ12", Data("two\n".utf8))
+        try a.core.rename(
+          parent: a.documents, name: ".top.txt.XyZ12", newParent: a.documents, newName: "top.txt", flags: [])
+      }
+      try a.drainUploadsOnce()
+      cloud.afterChanges = {
+        cloud.afterChanges = nil
+        try a.drainUploads()
+      }
+      try a.pull()
+      for _ in 0..<2 {
+        try a.drainUploads()
+        try a.pull()
+      }
+      let b = try CoreWorld(cloud: cloud)
+      try b.pull()
+      for (device, w) in [("a", a), ("b", b)] {
+        let names = try w.listing("").sorted()
+        try checkThat(names == [".", "..", "top.txt"], "\(device) shows \(names)")
+        try checkThat(try w.readFile("top.txt") == Data("two\n".utf8), "\(device) has another top.txt")
+      }
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(

@@ -14,8 +14,10 @@ import Testing
 
   /// A record and this device's view of its item: sequence numbers small enough to collide.
   static let situations = zip(
-    Gen.int64(in: 1...20), Gen.bool, Gen.int64(in: 0...20).optional, Gen.bool, Gen.bool, Gen.bool, Gen.bool(0.2)
-  ).map { seq, deleted, localSeq, isDirectory, changedHere, hasChildren, deleteQueued in
+    zip(Gen.int64(in: 1...20), Gen.bool, Gen.int64(in: 0...20).optional, Gen.bool, Gen.bool, Gen.bool, Gen.bool(0.2)),
+    Gen.int64(in: 1...20).optional
+  ).map { views, deletedHere in
+    let (seq, deleted, localSeq, isDirectory, changedHere, hasChildren, deleteQueued) = views
     var record = CloudItem(
       itemID: "x", parentID: WellKnownItem.documents, name: "f", kind: isDirectory ? .directory : .file,
       mode: 0o644, size: 0, mtimeNs: 1, etag: String(seq), deleted: deleted, changeSeq: seq)
@@ -26,22 +28,25 @@ import Testing
         etag: $0 == 0 ? nil : String($0), isDirectory: isDirectory, changedHere: changedHere,
         hasChildren: isDirectory && hasChildren)
     }
-    return Situation(record: record, local: local, deleteQueued: deleteQueued)
+    return Situation(record: record, local: local, deleteQueued: deleteQueued, deletedHere: deletedHere)
   }
 
   struct Situation: Sendable, CustomStringConvertible {
     var record: CloudItem
     var local: RemotePlanner.LocalView?
     var deleteQueued: Bool
+    /// This device's delete is done in the cloud; it removed the version of this sequence.
+    var deletedHere: Int64?
     var description: String {
       "record seq \(record.changeSeq) deleted \(record.deleted), local \(String(describing: local)), "
-        + "delete queued \(deleteQueued)"
+        + "delete queued \(deleteQueued), deleted here up to \(String(describing: deletedHere))"
     }
   }
 
   @Test func localWorkIsNeverOverwrittenAndLocalChildrenNeverDropped() async {
     await propertyCheck(count: Self.cases, input: Self.situations) { s in
-      let decision = RemotePlanner.decide(s.record, local: s.local, deleteQueued: s.deleteQueued)
+      let decision = RemotePlanner.decide(
+        s.record, local: s.local, deleteQueued: s.deleteQueued, deletedHere: s.deletedHere)
       if s.deleteQueued {
         #expect(decision == .holdBack, "a delete queued here: \(s)")
       }
@@ -58,8 +63,12 @@ import Testing
       if s.local == nil && s.record.deleted && !s.deleteQueued {
         #expect(decision == .alreadyApplied, "the tombstone of an item never seen: \(s)")
       }
-      if s.local == nil && !s.record.deleted && !s.deleteQueued {
-        #expect(decision == .apply, "a new item: \(s)")
+      let readBeforeTheDelete = s.deletedHere.map { s.record.changeSeq <= $0 } ?? false
+      if s.local == nil && !s.record.deleted && !s.deleteQueued && readBeforeTheDelete {
+        #expect(decision == .alreadyApplied, "a version this device's delete removed: \(s)")
+      }
+      if s.local == nil && !s.record.deleted && !s.deleteQueued && !readBeforeTheDelete {
+        #expect(decision == .apply, "a new item, or a newer version of one deleted here: \(s)")
       }
     }
   }
