@@ -36,11 +36,11 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
-    "uploadDelayed",
+    "uploadDelayed", "pullAroundUpload",
   ]
-  /// How often each kind is drawn (out of 38); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 40); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   /// A step by the names of its kind and path (a sequence written by hand).
   static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
@@ -51,7 +51,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
   var description: String {
     let name = Self.kinds[kind % Self.kinds.count]
     switch name {
-    case "upload", "pull", "crash", "closeAll": return "\(device):\(name)"
+    case "upload", "pull", "crash", "closeAll", "pullAroundUpload": return "\(device):\(name)"
     case "uploadFlaky", "pullFlaky", "uploadDelayed": return "\(device):\(name)(\(n))"
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
@@ -306,6 +306,13 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
   private var lateCopyPending: [CloudItem]?
 
+  /// Runs once, after the next page of the change feed is read and before the client has it.
+  var afterPage: (() throws -> Void)? {
+    get { lock.withLock { pageHook } }
+    set { lock.withLock { pageHook = newValue } }
+  }
+  private var pageHook: (() throws -> Void)?
+
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
     if let old = lock.withLock({ () -> [CloudItem]? in
       defer { lateCopyPending = nil }
@@ -319,6 +326,11 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
       note(
         "changes since \(since): \(Self.pageFate(r)), \(batch.items.map { "\($0.itemID) \($0.name) \($0.etag)" }) "
           + "to \(batch.token)")
+      let hook = lock.withLock { () -> (() throws -> Void)? in
+        defer { pageHook = nil }
+        return pageHook
+      }
+      try hook?()
       return batch
     } catch {
       note("changes since \(since): \(Self.pageFate(r)), \(error)")
@@ -608,6 +620,18 @@ final class SyncSimulation {
     case "pull", "pullFlaky":
       if SyncStep.kinds[s.kind % SyncStep.kinds.count] == "pullFlaky" { links[d].injectFaults(seed: s.n) }
       defer { links[d].clearFaults() }
+      do {
+        try w.pull()
+      } catch {
+        Self.stats["failed pulls", default: 0] += 1
+      }
+      try observe(d)
+    case "pullAroundUpload":
+      // The pull reads its first page, then the device's uploads are done (the pull waits for
+      // the answers of commits in flight), then the page is applied: a record in it may be
+      // older than what this device has just committed or deleted.
+      links[d].afterPage = { try self.upload(d) }
+      defer { links[d].afterPage = nil }
       do {
         try w.pull()
       } catch {
@@ -984,7 +1008,7 @@ final class SyncSimulation {
   static let folderKinds: [Int] = {
     let weights = [
       "mkdirs": 4, "moveInto": 6, "rename": 2, "upload": 3, "pull": 3, "write": 2, "rmtree": 1, "crash": 1,
-      "uploadFlaky": 1, "uploadDelayed": 1,
+      "uploadFlaky": 1, "uploadDelayed": 1, "pullAroundUpload": 1,
     ]
     return weights.keys.sorted().flatMap { name in
       Array(repeating: SyncStep.kinds.firstIndex(of: name)!, count: weights[name]!)

@@ -229,14 +229,28 @@ def test_small_edit_in_large_file_uploads_few_bytes(ubiq):
     data = bytearray(os.urandom(48 * 1024 * 1024))
     f.write_bytes(data)
     ubiq.sync()
+    # What was closed is what the cloud has once the sync returns.
+    first = ubiq.cloud_item(ubiq.item_id(f))
+    assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(bytes(data))
     blobs_before = ubiq.stored_chunks()
     with open(f, "r+b") as fh:
         fh.seek(20 * 1024 * 1024)
         fh.write(os.urandom(1024 * 1024))
     ubiq.sync()
     blobs_after = ubiq.stored_chunks()
-    new_bytes = sum(size for name, size in blobs_after.items() if name not in blobs_before)
-    assert new_bytes < 0.2 * len(data), f"re-uploaded {new_bytes} bytes for a 1 MiB edit"
+    new = {name: size for name, size in blobs_after.items() if name not in blobs_before}
+    new_bytes = sum(new.values())
+    second = ubiq.cloud_item(ubiq.item_id(f))
+    offsets, at = [], 0
+    for chunk in second["chunks"]:
+        if chunk["hash"] in new:
+            offsets.append(at)
+        at += chunk["length"]
+    assert new_bytes < 0.2 * len(data), (
+        f"re-uploaded {new_bytes} bytes in {len(new)} chunks for a 1 MiB edit at 20 MiB: new chunks at offsets "
+        f"{offsets} of the new version ({len(second['chunks'])} chunks; {len(first['chunks'])} before the edit); "
+        f"{len(blobs_before)} chunks stored before, {len(blobs_after)} after"
+    )
     with open(f, "rb") as fh:
         local = fh.read()
     assert sha256(ubiq.cloud_content(ubiq.item_id(f))) == sha256(local)
