@@ -56,7 +56,7 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
       created.append(d)
     }
     try FileManager.default.createDirectory(atPath: dir, withIntermediateDirectories: true)
-    for d in created.reversed() { try Self.fsyncDirectory((d as NSString).deletingLastPathComponent) }
+    for d in created.reversed() { try Durability.fsyncDirectory((d as NSString).deletingLastPathComponent) }
     let tmp = final + ".tmp.\(getpid()).\(UInt32.random(in: 0...UInt32.max))"
     let fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0o600)
     guard fd >= 0 else { throw UbiqError.io("cannot create \(tmp): \(String(cString: strerror(errno)))") }
@@ -78,14 +78,7 @@ public final class FolderBlobStore: BlobStore, @unchecked Sendable {
       throw UbiqError.io("storing chunk \(hash): \(String(cString: strerror(errno)))")
     }
     // The new name is durable before the chunk is recorded and the upload acknowledged.
-    try Self.fsyncDirectory(dir)
-  }
-
-  static func fsyncDirectory(_ path: String) throws {
-    let fd = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    guard fd >= 0 else { throw UbiqError.io("open of \(path) to fsync it: \(String(cString: strerror(errno)))") }
-    defer { close(fd) }
-    if fsync(fd) != 0 { throw UbiqError.io("fsync of \(path): \(String(cString: strerror(errno)))") }
+    try Durability.fsyncDirectory(dir)
   }
 
   func getSync(account: String, hash: String, range: Range<Int64>?) throws -> Data {

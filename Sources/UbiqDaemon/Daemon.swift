@@ -70,7 +70,7 @@ public final class Daemon {
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
     // SQLite syncs the folder for its WAL file, not for the database file it creates: the names
     // index.sqlite and content/ become durable here, before anything relies on them.
-    try ContentCache.fsyncDirectory(dir.path)
+    try Durability.fsyncDirectory(dir.path)
     let cloud = try cloudSession.makeCloud()
     do {
       let container = self.container

@@ -340,10 +340,7 @@ public final class IndexStore: @unchecked Sendable {
     defer { close(fd) }
     if fdatasync(fd) != 0 { throw UbiqError.posix(errno, "fdatasync of the index's WAL") }
     if !walDirectoryLock.withLock({ walDirectorySynced }) {
-      let dir = open((pool.path as NSString).deletingLastPathComponent, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-      guard dir >= 0 else { throw UbiqError.posix(errno, "open of the index's folder") }
-      defer { close(dir) }
-      if fsync(dir) != 0 { throw UbiqError.posix(errno, "fsync of the index's folder") }
+      try Durability.fsyncDirectory((pool.path as NSString).deletingLastPathComponent)
       walDirectoryLock.withLock { walDirectorySynced = true }
     }
   }

@@ -11,11 +11,11 @@ import UbiqCore
 /// name changes only under its inode lock.
 public final class ContentCache: @unchecked Sendable {
   public let directory: String
-  /// Makes the folder's entries durable: `fsyncDirectory` (tests slow it down).
+  /// Makes the folder's entries durable: `Durability.fsyncDirectory` (tests slow it down).
   let syncFolder: @Sendable (String) throws -> Void
 
   public convenience init(directory: String) throws {
-    try self.init(directory: directory, syncFolder: ContentCache.fsyncDirectory)
+    try self.init(directory: directory, syncFolder: Durability.fsyncDirectory)
   }
 
   init(directory: String, syncFolder: @escaping @Sendable (String) throws -> Void) throws {
@@ -85,14 +85,6 @@ public final class ContentCache: @unchecked Sendable {
         throw error
       }
     }
-  }
-
-  /// fsync of a directory: its entries (created, renamed, removed names) become durable.
-  public static func fsyncDirectory(_ path: String) throws {
-    let fd = Glibc.open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    guard fd >= 0 else { throw UbiqError.posix(errno, "open of \(path) to fsync it") }
-    defer { close(fd) }
-    if Glibc.fsync(fd) != 0 { throw UbiqError.posix(errno, "fsync of \(path)") }
   }
 
   /// Bytes the cache file really occupies on disk.

@@ -685,7 +685,7 @@ public final class Downloader: @unchecked Sendable {
     if case .complete = ending {
       if fdatasync(s.fd) != 0 {
         ending = .failed(UbiqError.posix(errno, "fdatasync of the cache file"))
-      } else if (try? ContentCache.fsyncDirectory(cache.directory)) == nil {
+      } else if (try? Durability.fsyncDirectory(cache.directory)) == nil {
         ending = .failed(UbiqError.io("fsync of the cache folder failed"))
       }
     }

@@ -33,7 +33,7 @@ import UbiqIndex
         entered.signal()
         proceed.wait()
       }
-      try ContentCache.fsyncDirectory(path)
+      try Durability.fsyncDirectory(path)
     }
     close(try cache.open(7, create: true))
     let first = Thread { try? cache.syncDirectory() }
