@@ -209,10 +209,11 @@ extension IndexStore {
     }
   }
 
-  /// Finishes a queued delete: the cloud deleted the item (its held records go with it), or
-  /// refused because the item changed there (`restoring`: the cloud's record, held so that the
-  /// next pull brings it back). One transaction, so no pull sees the entry gone without the
-  /// held record in place.
+  /// Finishes a queued delete: the cloud deleted the item (its held records go with it, and
+  /// `removed`, the etag of the live version the delete removed, is remembered: see
+  /// `deleteDone`), or refused because the item changed there (`restoring`: the cloud's record,
+  /// held so that the next pull brings it back). One transaction, so no pull sees the entry
+  /// gone without the held record or the remembered delete in place.
   public func finishDelete(seq: Int64, itemID: String, removed: String?, restoring current: CloudItem?) throws {
     try write { db in
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])

@@ -345,25 +345,40 @@ extension IndexStore {
   /// (`NameCollisionPolicy.moveAsideHolders`) until its own record moves it.
   static func parkedName(_ itemID: String) -> String { "\u{1}moving \(itemID)" }
 
-  /// Gives a name back to each of `itemIDs` that is still under its temporary name because its
-  /// own record did not apply in the pull that parked it (the file was opened for writing in
-  /// between, say): the name it had if that is free, else "name 2.ext", which goes to the
+  /// Gives a visible place back to each item of `records` (the records of the items a pull
+  /// let step aside) that is still under its temporary name because its record did not apply
+  /// in that pull (the file was opened for writing in between, and its record is held; or the
+  /// record waits for a later page). A file goes where its record puts it, if that folder is
+  /// here and the name is free there: the record, applied later, finds it in place. Otherwise
+  /// the item takes back the name it had, or "name 2.ext" if that is taken, which goes to the
   /// cloud like any name the naming rule changes. Idempotent; items not parked are left alone.
-  public func unpark(itemIDs: some Collection<String>) throws -> [RemoteApplyResult] {
-    guard !itemIDs.isEmpty else { return [] }
+  public func unpark(_ records: [CloudItem]) throws -> [RemoteApplyResult] {
+    guard !records.isEmpty else { return [] }
     return try write { db in
       var results: [RemoteApplyResult] = []
-      for itemID in itemIDs {
+      for r in records {
         guard
           let row = try ItemRow.fetchOne(
             db.cached("SELECT * FROM items WHERE itemID = ? AND name = ?"),
-            arguments: [itemID, Self.parkedName(itemID)]),
-          let id = row.id, let parent = row.parent
+            arguments: [r.itemID, Self.parkedName(r.itemID)]),
+          let id = row.id, let parent = row.parent, let had = row.baseItem?.name
         else { continue }
-        // Parking changed only the name: the one it had is the one the cloud has.
-        let had = row.baseItem?.name ?? itemID
+        func isFree(_ folder: Int64, _ name: String) throws -> Bool {
+          try Self.childID(db, folder, name).map { $0 == id } ?? true
+        }
+        if row.kind != .directory, !r.deleted, let folderID = r.parentID,
+          let folder = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [folderID]),
+          try isFree(folder, r.name)
+        {
+          try db.execute(sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [folder, r.name, id])
+          results.append(
+            RemoteApplyResult(
+              outcome: .updated(contentChanged: false), inode: id,
+              staleEntries: [(parent, row.name), (folder, r.name)]))
+          continue
+        }
         var name = had
-        if try Self.childID(db, parent, had) == nil {
+        if try isFree(parent, had) {
           try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [had, id])
         } else {
           name = try Self.freeName(db, parent, had)

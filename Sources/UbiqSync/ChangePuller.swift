@@ -109,8 +109,12 @@ public final class ChangePuller: @unchecked Sendable {
       // makes progress. Then items that hold each other's names (a swap) step aside for each
       // other, and any other collision is settled by the naming rule.
       var movable = Set<String>()
+      var movableRecords: [CloudItem] = []
       for final in [false, true] {
-        if final { movable = try Self.movable(deferred, index: index, isBusy: inodes.isBusy) }
+        if final {
+          movable = try Self.movable(deferred, index: index, isBusy: inodes.isBusy)
+          movableRecords = deferred.filter { movable.contains($0.itemID) }
+        }
         let policy: IndexStore.NameCollisionPolicy = final ? .moveAsideHolders(movable) : .deferUnchangedHolders
         var progress = true
         while progress && !deferred.isEmpty {
@@ -129,8 +133,8 @@ public final class ChangePuller: @unchecked Sendable {
         }
       }
       // An item that stepped aside but whose own record did not apply (it was opened for
-      // writing meanwhile) gets a name back now, not when that record comes again.
-      all += try index.unpark(itemIDs: movable)
+      // writing meanwhile) gets a place back now, not when that record is applied.
+      all += try index.unpark(movableRecords)
       token = batch.token
       if !batch.hasMore {
         // Records whose folder is not here (not in the cloud either, or a change of this device
