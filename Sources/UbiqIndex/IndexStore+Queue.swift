@@ -210,39 +210,40 @@ extension IndexStore {
   }
 
   /// Finishes a queued delete: the cloud deleted the item (its held records go with it, and
-  /// `removed`, the etag of the live version the delete removed, is remembered: see
-  /// `deleteDone`), or refused because the item changed there (`restoring`: the cloud's record,
-  /// held so that the next pull brings it back). One transaction, so no pull sees the entry
-  /// gone without the held record or the remembered delete in place.
-  public func finishDelete(seq: Int64, itemID: String, removed: String?, restoring current: CloudItem?) throws {
+  /// the change sequence of its `tombstone` is remembered: see `deleteDone`), or refused
+  /// because the item changed there (`restoring`: the cloud's record, held so that the next
+  /// pull brings it back). One transaction, so no pull sees the entry gone without the held
+  /// record or the remembered delete in place.
+  public func finishDelete(seq: Int64, itemID: String, tombstone: Int64?, restoring current: CloudItem?) throws {
     try write { db in
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       if let current {
         try Self.holdRemote(db, current)
       } else {
-        try Self.deleteDone(db, itemID: itemID, removed: removed)
+        try Self.deleteDone(db, itemID: itemID, tombstone: tombstone)
       }
     }
   }
 
   /// Records deletes the cloud carried out (each as `finishDelete` with nothing to restore),
   /// in one transaction: each entry (by its queue sequence number) leaves the queue.
-  public func finishDeletes(_ done: [(seq: Int64, itemID: String, removed: String)]) throws {
+  public func finishDeletes(_ done: [(seq: Int64, itemID: String, tombstone: Int64)]) throws {
     if done.isEmpty { return }
     try write { db in
-      for (seq, itemID, removed) in done {
+      for (seq, itemID, tombstone) in done {
         try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
-        try Self.deleteDone(db, itemID: itemID, removed: removed)
+        try Self.deleteDone(db, itemID: itemID, tombstone: tombstone)
       }
     }
   }
 
-  /// The cloud deleted `itemID` for this device. `removed`: the etag of the live version the
-  /// delete removed (nil: none was live), remembered until the change feed passes it, so
-  /// that a page read before the delete cannot bring the item back (`RemotePlanner.decide`).
-  static func deleteDone(_ db: Database, itemID: String, removed: String?) throws {
+  /// The cloud deleted `itemID` for this device. `tombstone`: the change sequence of the
+  /// item's tombstone (nil: the cloud keeps none), remembered until the change feed passes
+  /// it: every live version of the item is older, so a page read before the delete cannot
+  /// bring the item back (`RemotePlanner.decide`).
+  static func deleteDone(_ db: Database, itemID: String, tombstone: Int64?) throws {
     try releaseHeld(db, itemID: itemID)
-    guard let upTo = removed.flatMap({ Int64($0) }) else { return }
+    guard let upTo = tombstone else { return }
     try db.cached(
       """
       INSERT INTO deletedHere(itemID, upTo) VALUES (?, ?)

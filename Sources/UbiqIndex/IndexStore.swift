@@ -190,9 +190,9 @@ public final class IndexStore: @unchecked Sendable {
           CREATE INDEX items_subfolders ON items(parent, kind) WHERE kind = \(ItemKind.directory.rawValue);
           """)
     }
-    // Items this device deleted and the cloud deleted too, with the change sequence of the last
-    // live version the delete removed, until the change feed has passed it
-    // (`RemotePlanner.decide`'s `deletedHere`).
+    // Items this device deleted and the cloud deleted too, with the change sequence of the
+    // item's tombstone, until the change feed has passed it (`RemotePlanner.decide`'s
+    // `deletedHere`).
     m.registerMigration("v14-deleted-here") { db in
       try db.execute(sql: "CREATE TABLE deletedHere(itemID TEXT PRIMARY KEY, upTo INTEGER NOT NULL)")
     }

@@ -44,13 +44,13 @@ public enum RemotePlanner {
 
   /// The rule for one record. `deleteQueued`: this device deleted the item and the delete is
   /// not in the cloud yet. `deletedHere`: this device deleted the item, the cloud did too, and
-  /// the last live version the delete removed has this change sequence; a live record no newer
-  /// was read before the delete was done (a page the pull was still applying) and is stale.
+  /// the item's tombstone has this change sequence; a record not newer was read before the
+  /// delete was done (a page the pull was still applying) and is stale.
   public static func decide(
     _ record: CloudItem, local: LocalView?, deleteQueued: Bool, deletedHere: Int64?
   ) -> Decision {
     if deleteQueued { return .holdBack }
-    if local == nil, let removed = deletedHere, record.changeSeq <= removed { return .alreadyApplied }
+    if local == nil, let tombstone = deletedHere, record.changeSeq <= tombstone { return .alreadyApplied }
     if let local {
       if hasSeen(record, localEtag: local.etag) { return .alreadyApplied }
       if local.changedHere { return .holdBack }

@@ -295,7 +295,8 @@ public final class UploadWorker: @unchecked Sendable {
       let done = next.prefix(results.committed.count)
       do {
         if !done.isEmpty {
-          try index.finishDeletes(done.map { ($0.entry.seq, $0.delete.itemID, $0.delete.ifMatch) })
+          try index.finishDeletes(
+            zip(done, results.committed).map { ($0.entry.seq, $0.delete.itemID, $1.changeSeq) })
           recorded(true)
           log.debug("deleted \(done.count) items together")
         }
@@ -524,6 +525,8 @@ public final class UploadWorker: @unchecked Sendable {
       } else if let itemID = entry.deleteItemID {
         var restoring: CloudItem? = nil
         var etag = entry.deleteEtag
+        // The change sequence of the item's tombstone, once the cloud has one.
+        var tombstone: Int64? = nil
         if etag == nil && entry.deleteMaybeInCloud {
           switch try await cloud.item(container, itemID: itemID) {
           case nil:
@@ -531,7 +534,8 @@ public final class UploadWorker: @unchecked Sendable {
             // (held back in the network): the delete is recorded as a tombstone, which that
             // upload cannot pass. If it arrived meanwhile, the next attempt finds it and deletes it.
             do {
-              _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: nil, deviceID: deviceID)
+              tombstone = try await cloud.deleteItem(container, itemID: itemID, ifMatch: nil, deviceID: deviceID)
+                .changeSeq
             } catch CloudError.notFound {
               // A cloud that records no tombstone for an item it has not seen.
             } catch CloudError.conflict {
@@ -547,8 +551,8 @@ public final class UploadWorker: @unchecked Sendable {
               log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
               restoring = current
             }
-          case .some:
-            break  // Already deleted.
+          case let deleted?:
+            tombstone = deleted.changeSeq  // Already deleted.
           }
         }
         // A file with other devices' unresolved conflict versions: their edits are kept (the
@@ -570,7 +574,8 @@ public final class UploadWorker: @unchecked Sendable {
         // deleted already, or its tombstone was recorded above).
         if etag != nil && restoring == nil {
           do {
-            _ = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)
+            tombstone = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)
+              .changeSeq
           } catch CloudError.notFound {
             // Already gone.
           } catch CloudError.conflict(let current) {
@@ -586,7 +591,7 @@ public final class UploadWorker: @unchecked Sendable {
             restoring = try await cloud.item(container, itemID: itemID)
           }
         }
-        try index.finishDelete(seq: entry.seq, itemID: itemID, removed: etag, restoring: restoring)
+        try index.finishDelete(seq: entry.seq, itemID: itemID, tombstone: tombstone, restoring: restoring)
         if restoring != nil { onNeedsPull() }
       }
       recorded(true)

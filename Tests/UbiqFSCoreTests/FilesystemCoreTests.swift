@@ -565,13 +565,30 @@ extension FilesystemCoreTests {
 /// The embedded cloud with a switch in front of chunk downloads: while held, `getChunk` waits,
 /// so a test can act while a download is in flight. `afterChanges` runs once a page of the
 /// change feed is read and before it is handed over, and `beforePut` before a version is
-/// committed, so a test can act between the two.
+/// committed, so a test can act between the two. `loseReplies`: that many of the next puts and
+/// deletes are carried out and their replies lost (the client sees the network fail).
 final class GatedCloud: CloudService, @unchecked Sendable {
   let inner: CloudService
   private let lock = NSCondition()
   private var held = false
   private var changesHook: (@Sendable () throws -> Void)?
   private var putHook: (@Sendable () throws -> Void)?
+  private var repliesToLose = 0
+
+  var loseReplies: Int {
+    get { lock.withLock { repliesToLose } }
+    set { lock.withLock { repliesToLose = newValue } }
+  }
+
+  /// Throws as a lost reply would, if one is still to be lost.
+  private func replyLost() throws {
+    let lost = lock.withLock { () -> Bool in
+      guard repliesToLose > 0 else { return false }
+      repliesToLose -= 1
+      return true
+    }
+    if lost { throw CloudError.unavailable("simulated: reply lost") }
+  }
 
   var afterChanges: (@Sendable () throws -> Void)? {
     get { lock.withLock { changesHook } }
@@ -606,12 +623,16 @@ final class GatedCloud: CloudService, @unchecked Sendable {
   func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
   func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
     try beforePut?()
-    return try await inner.putItem(container, item, ifMatch: ifMatch)
+    let stored = try await inner.putItem(container, item, ifMatch: ifMatch)
+    try replyLost()
+    return stored
   }
   func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
     -> CloudItem
   {
-    try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+    let tombstone = try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+    try replyLost()
+    return tombstone
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
     try await inner.item(container, itemID: itemID)

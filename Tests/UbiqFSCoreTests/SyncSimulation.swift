@@ -1679,6 +1679,38 @@ final class SyncSimulation {
     }
   }
 
+  /// The same with lost replies: the file's first upload reaches the cloud and its reply is
+  /// lost, so its delete has no etag and looks the item up; that delete is carried out and its
+  /// reply lost too, and its retry finds the item already deleted. A page read before the first
+  /// attempt and applied after the retry still must not bring the file back.
+  @Test func aRecordReadBeforeADeleteWhoseReplyWasLostDoesNotBringTheItemBack() async throws {
+    try await onOwnThread {
+      let cloud = GatedCloud()
+      let a = try CoreWorld(cloud: cloud)
+      try a.writeFile("f", Data("one\n".utf8))
+      cloud.loseReplies = 1
+      try? a.drainUploadsOnce()
+      try a.core.unlink(parent: a.documents, name: "f")
+      cloud.afterChanges = {
+        cloud.afterChanges = nil
+        cloud.loseReplies = 1
+        try a.drainUploads()
+      }
+      try a.pull()
+      try checkThat(try a.listing("").sorted() == [".", ".."], "the pull brought f back: \(try a.listing(""))")
+      for _ in 0..<2 {
+        try a.drainUploads()
+        try a.pull()
+      }
+      let b = try CoreWorld(cloud: cloud)
+      try b.pull()
+      for (device, w) in [("a", a), ("b", b)] {
+        let names = try w.listing("").sorted()
+        try checkThat(names == [".", ".."], "\(device) shows \(names)")
+      }
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(

@@ -35,7 +35,7 @@ import Testing
     var record: CloudItem
     var local: RemotePlanner.LocalView?
     var deleteQueued: Bool
-    /// This device's delete is done in the cloud; it removed the version of this sequence.
+    /// This device's delete is done in the cloud; the item's tombstone has this sequence.
     var deletedHere: Int64?
     var description: String {
       "record seq \(record.changeSeq) deleted \(record.deleted), local \(String(describing: local)), "
@@ -65,7 +65,7 @@ import Testing
       }
       let readBeforeTheDelete = s.deletedHere.map { s.record.changeSeq <= $0 } ?? false
       if s.local == nil && !s.record.deleted && !s.deleteQueued && readBeforeTheDelete {
-        #expect(decision == .alreadyApplied, "a version this device's delete removed: \(s)")
+        #expect(decision == .alreadyApplied, "a version older than this device's delete: \(s)")
       }
       if s.local == nil && !s.record.deleted && !s.deleteQueued && !readBeforeTheDelete {
         #expect(decision == .apply, "a new item, or a newer version of one deleted here: \(s)")
