@@ -1628,12 +1628,7 @@ final class SyncSimulation {
       try checkThat(try b.index.unpark(records).isEmpty, "a second unpark changed something")
 
       // The held record applies on the next pull, and the devices agree, with nothing renamed.
-      for _ in 0..<3 {
-        try b.drainUploads()
-        try a.drainUploads()
-        try a.pull()
-        try b.pull()
-      }
+      try Self.settle(b, a)
       for (device, w) in [("a", a), ("b", b)] {
         try checkThat(try w.listing("").sorted() == [".", "..", "c"], "\(device) shows \(try w.listing(""))")
         try checkThat(try w.listing("c").sorted() == [".", "..", "c"], "\(device) shows c/\(try w.listing("c"))")
@@ -1665,12 +1660,8 @@ final class SyncSimulation {
         try a.drainUploads()
       }
       try a.pull()
-      for _ in 0..<2 {
-        try a.drainUploads()
-        try a.pull()
-      }
       let b = try CoreWorld(cloud: cloud)
-      try b.pull()
+      try Self.settle(a, b)
       for (device, w) in [("a", a), ("b", b)] {
         let names = try w.listing("").sorted()
         try checkThat(names == [".", "..", "top.txt"], "\(device) shows \(names)")
@@ -1698,12 +1689,8 @@ final class SyncSimulation {
       }
       try a.pull()
       try checkThat(try a.listing("").sorted() == [".", ".."], "the pull brought f back: \(try a.listing(""))")
-      for _ in 0..<2 {
-        try a.drainUploads()
-        try a.pull()
-      }
       let b = try CoreWorld(cloud: cloud)
-      try b.pull()
+      try Self.settle(a, b)
       for (device, w) in [("a", a), ("b", b)] {
         let names = try w.listing("").sorted()
         try checkThat(names == [".", ".."], "\(device) shows \(names)")
