@@ -100,14 +100,16 @@ extension IndexStore {
       // A record the row has seen (often this device's own upload coming back) is decided by
       // its etag alone: the lookups below are skipped.
       let seen = RemotePlanner.hasSeen(r, localEtag: row.etag)
+      let hasChildren =
+        try !seen && r.deleted
+        && Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [row.id!]) == true
       return RemotePlanner.LocalView(
         etag: row.etag, isDirectory: row.isDirectory,
         // Changes queued, or written through a handle and not recorded yet.
         changedHere: try !seen
           && (Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [row.id!]) == true
             || Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [row.id!]) == true),
-        hasChildren: try !seen && r.deleted
-          && Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [row.id!]) == true)
+        hasChildren: hasChildren, changedBelow: try hasChildren && Self.changedBelow(db, row.id!))
     }
     // Deleted here and in the cloud: a page read before the delete was done may still hold the
     // version it removed.
@@ -128,6 +130,8 @@ extension IndexStore {
       return RemoteApplyResult(
         outcome: .deleted, inode: id, staleEntries: local.flatMap { row in row.parent.map { [($0, row.name)] } } ?? [],
         removed: local)
+    case (.waitForChildren, _):
+      return RemoteApplyResult(outcome: .deferred, inode: local?.id)
     case (.apply, _):
       return try self.applyRecord(db, r, to: local, uid: uid, gid: gid, collisions: collisions)
     case (.alreadyApplied, _), (.keepFolderAndUploadIt, nil), (.delete, nil):
@@ -184,6 +188,7 @@ extension IndexStore {
         try db.execute(
           sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
           arguments: [moved, self.clock.nowNs(), otherID])
+        try Self.noteAutomaticRename(db, otherID)
         try self.enqueue(db, otherID)
         stale += [(parent, other.name), (parent, moved)]
       case .recordYields:
@@ -216,7 +221,10 @@ extension IndexStore {
       if renamedHere { row.revision += 1 }
       try Self.updateItem(db, row)
       try Self.replaceXattrs(db, row.id!, r.xattrs)
-      if renamedHere { try self.enqueue(db, row.id!) }
+      if renamedHere {
+        try Self.noteAutomaticRename(db, row.id!)
+        try self.enqueue(db, row.id!)
+      }
       return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
     }
     var row = ItemRow(
@@ -229,7 +237,10 @@ extension IndexStore {
     if renamedHere { row.revision = 1 }
     try Self.insertItem(db, &row)
     try Self.replaceXattrs(db, row.id!, r.xattrs)
-    if renamedHere { try self.enqueue(db, row.id!) }
+    if renamedHere {
+      try Self.noteAutomaticRename(db, row.id!)
+      try self.enqueue(db, row.id!)
+    }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
   }
 
@@ -385,6 +396,7 @@ extension IndexStore {
           try db.execute(
             sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
             arguments: [name, self.clock.nowNs(), id])
+          try Self.noteAutomaticRename(db, id)
           try self.enqueue(db, id)
         }
         results.append(
@@ -392,6 +404,61 @@ extension IndexStore {
             outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)]))
       }
       return results
+    }
+  }
+
+  /// Whether an item below folder `id` changed here: queued (made, moved here, edited, renamed)
+  /// or written through a handle and not recorded yet. A chain deeper than `maxDepth` counts as
+  /// changed (the folder is kept).
+  static func changedBelow(_ db: Database, _ id: Int64) throws -> Bool {
+    try Bool.fetchOne(
+      db.cached(
+        """
+        WITH RECURSIVE below(id, depth) AS (
+          SELECT id, 1 FROM items WHERE parent = ?
+          UNION ALL SELECT i.id, b.depth + 1 FROM items i JOIN below b ON i.parent = b.id WHERE b.depth <= ?)
+        SELECT 1 FROM below b
+        WHERE b.depth > ? OR EXISTS(SELECT 1 FROM uploadQueue q WHERE q.item = b.id)
+          OR EXISTS(SELECT 1 FROM dirtyContent c WHERE c.item = b.id)
+        LIMIT 1
+        """), arguments: [id, Self.maxDepth, Self.maxDepth]) == true
+  }
+
+  /// Notes that item `id`'s newest revision is a name this device's sync chose to settle a
+  /// name collision, if every change of it not yet in the cloud is such a name (none is the
+  /// user's): it then does not win over a delete made elsewhere (`yieldToDelete`).
+  static func noteAutomaticRename(_ db: Database, _ id: Int64) throws {
+    try db.cached(
+      """
+      INSERT OR REPLACE INTO automaticRenames(item, revision)
+      SELECT id, revision FROM items WHERE id = ? AND (
+        syncedRevision = revision - 1
+        OR EXISTS(SELECT 1 FROM automaticRenames a WHERE a.item = items.id AND a.revision = items.revision - 1))
+      """
+    ).execute(arguments: [id])
+  }
+
+  /// The uploader's commit of item `inode` (queue entry `seq`) met the item's tombstone: another
+  /// device deleted it. If every change here not yet in the cloud is a name this device's sync
+  /// chose (`noteAutomaticRename`), the delete wins: the item goes here too, with its queue
+  /// entry and its held records, and the tombstone's change sequence is remembered, so a live
+  /// record of it read before does not bring it back. Nil, and nothing changes, when a user's
+  /// change is among them (it wins over the delete and brings the item back) or the item has
+  /// children here.
+  public func yieldToDelete(seq: Int64, inode: Int64, tombstone: CloudItem) throws -> RemoteApplyResult? {
+    guard tombstone.deleted else { return nil }
+    return try write { db in
+      guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
+        row.itemID == tombstone.itemID,
+        try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
+          == row.revision,
+        try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [inode]) != true
+      else { return nil }
+      try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
+      try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [inode])
+      try Self.deleteDone(db, itemID: row.itemID, tombstone: tombstone.changeSeq)
+      return RemoteApplyResult(
+        outcome: .deleted, inode: inode, staleEntries: row.parent.map { [($0, row.name)] } ?? [], removed: row)
     }
   }
 

@@ -190,11 +190,21 @@ public final class IndexStore: @unchecked Sendable {
           CREATE INDEX items_subfolders ON items(parent, kind) WHERE kind = \(ItemKind.directory.rawValue);
           """)
     }
-    // Items this device deleted and the cloud deleted too, with the change sequence of the
-    // item's tombstone, until the change feed has passed it (`RemotePlanner.decide`'s
-    // `deletedHere`).
+    // Items this device deleted and the cloud deleted too (or whose tombstone an automatic
+    // rename's commit met), with the change sequence of the item's tombstone, until the change
+    // feed has passed it (`RemotePlanner.decide`'s `deletedHere`).
     m.registerMigration("v14-deleted-here") { db in
       try db.execute(sql: "CREATE TABLE deletedHere(itemID TEXT PRIMARY KEY, upTo INTEGER NOT NULL)")
+    }
+    // Items whose newest local revision only gives the cloud a name this device's sync chose
+    // to settle a name collision ("name 2"), not a user's change: such a revision does not win
+    // over a delete made elsewhere (`yieldToDelete`).
+    m.registerMigration("v15-automatic-renames") { db in
+      try db.execute(
+        sql: """
+          CREATE TABLE automaticRenames(
+            item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE, revision INTEGER NOT NULL)
+          """)
     }
     return m
   }

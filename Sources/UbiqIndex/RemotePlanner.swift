@@ -16,12 +16,16 @@ public enum RemotePlanner {
     public var changedHere: Bool
     /// Live children of a folder (the record may be its tombstone).
     public var hasChildren: Bool
+    /// An item below the folder changed here (made or moved here, edited, queued): deleting the
+    /// folder would lose it.
+    public var changedBelow: Bool
 
-    public init(etag: String?, isDirectory: Bool, changedHere: Bool, hasChildren: Bool) {
+    public init(etag: String?, isDirectory: Bool, changedHere: Bool, hasChildren: Bool, changedBelow: Bool = false) {
       self.etag = etag
       self.isDirectory = isDirectory
       self.changedHere = changedHere
       self.hasChildren = hasChildren
+      self.changedBelow = changedBelow
     }
   }
 
@@ -33,9 +37,15 @@ public enum RemotePlanner {
     /// The item changed here (or its delete is queued): keep the record for when the local
     /// change is done; never overwrite local work.
     case holdBack
-    /// A folder deleted there still holds items here: keep it, and upload it again (the
+    /// A folder deleted there still holds items changed here: keep it, and upload it again (the
     /// children must not be lost).
     case keepFolderAndUploadIt
+    /// A folder deleted there still holds items here, all as the cloud had them. The cloud
+    /// deletes no folder that still has items, so each of them was moved or deleted there
+    /// first; when a later change of it replaced that record in the feed, the record comes
+    /// after the folder's tombstone. The tombstone waits for them (retried in the pull, then
+    /// held); deleting the folder now would lose them, keeping it would bring it back.
+    case waitForChildren
     /// Delete the local item.
     case delete
     /// Make the local row match the record (`IndexStore.applyRecord`).
@@ -57,7 +67,8 @@ public enum RemotePlanner {
     }
     guard record.deleted else { return .apply }
     guard let local else { return .alreadyApplied }
-    return local.hasChildren ? .keepFolderAndUploadIt : .delete
+    guard local.hasChildren else { return .delete }
+    return local.changedBelow ? .keepFolderAndUploadIt : .waitForChildren
   }
 
   /// True if the local row is at `record`'s version or a newer one (its etag is the record's,

@@ -572,13 +572,38 @@ public final class UploadWorker: @unchecked Sendable {
         }
         // Still no etag: nothing of the item is live in the cloud (it was never sent, is
         // deleted already, or its tombstone was recorded above).
-        if etag != nil && restoring == nil {
+        // A newer version of this device's own (a commit whose answer was lost or held back
+        // in the network, which the user deleted knowingly) does not stop the delete: it is
+        // sent again on that version, at most a few times.
+        var ownNewerVersions = 0
+        while let ifMatch = etag, restoring == nil, tombstone == nil {
           do {
-            tombstone = try await cloud.deleteItem(container, itemID: itemID, ifMatch: etag, deviceID: deviceID)
+            tombstone = try await cloud.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
               .changeSeq
+            break
           } catch CloudError.notFound {
             // Already gone.
+            break
           } catch CloudError.conflict(let current) {
+            if current.deleted {
+              tombstone = current.changeSeq
+              break
+            }
+            if current.deviceID == deviceID && current.contentAuthor == deviceID && ownNewerVersions < 3 {
+              ownNewerVersions += 1
+              if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
+                do {
+                  restoring = try await cloud.putItem(container, kept, ifMatch: current.etag)
+                  log.info("delete of \(itemID) kept the conflict versions of other devices; the newest is current")
+                } catch CloudError.conflict(let newer) {
+                  log.info("delete of \(itemID) skipped: changed remotely (etag \(newer.etag)); restoring it")
+                  restoring = newer
+                }
+              } else {
+                etag = current.etag
+              }
+              continue
+            }
             // Changed elsewhere since we saw it: the edit wins over our delete (nothing is lost).
             // The cloud's version comes back here with the next pull.
             log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
@@ -589,6 +614,7 @@ public final class UploadWorker: @unchecked Sendable {
             if try index.hasQueuedEntries(before: entry.seq, touching: itemID) { throw CloudError.notEmpty(why) }
             log.info("delete of folder \(itemID) skipped: \(why); restoring it")
             restoring = try await cloud.item(container, itemID: itemID)
+            break
           }
         }
         try index.finishDelete(seq: entry.seq, itemID: itemID, tombstone: tombstone, restoring: restoring)
@@ -826,6 +852,16 @@ public final class UploadWorker: @unchecked Sendable {
       } catch CloudError.conflict(let current) {
         // A merge needs the local content: the move waits with it for the writer's flush.
         if p.placeOnly { throw Postpone(ns: 500_000_000) }
+        // Deleted elsewhere while the only change here is a name this device's sync chose: the
+        // delete wins. A file open here waits for its close (what is written meanwhile wins).
+        if current.deleted {
+          if inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }
+          if let gone = try index.yieldToDelete(seq: entry.seq, inode: inode, tombstone: current) {
+            log.info("\(row.name): deleted on another device; its automatic rename here gives way")
+            onMerged([gone])
+            return
+          }
+        }
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
         item = ConflictMerge.merge(
           local: local, base: row.baseItem, server: current, deviceID: deviceID,

@@ -113,6 +113,7 @@ final class CoreWorld: @unchecked Sendable {
       index: index, cache: cache, cloud: cloud, container: container, inodes: inodes, uid: getuid(),
       gid: getgid(), logger: log)
     puller.onApplied = { core.remoteChangesApplied($0) }
+    worker.onMerged = { [weak core] in core?.remoteChangesApplied($0) }
     puller.downloader = downloader
     worker.downloader = downloader
     worker.waitClock = waitClock

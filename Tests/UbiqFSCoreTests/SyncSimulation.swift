@@ -1,5 +1,6 @@
 import Clocks
 import Foundation
+import GRDB
 import PropertyBased
 import Testing
 import UbiqCore
@@ -36,11 +37,11 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
-    "uploadDelayed", "pullAroundUpload",
+    "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash",
   ]
-  /// How often each kind is drawn (out of 40); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 43); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   /// A step by the names of its kind and path (a sequence written by hand).
   static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
@@ -52,7 +53,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
     let name = Self.kinds[kind % Self.kinds.count]
     switch name {
     case "upload", "pull", "crash", "closeAll", "pullAroundUpload": return "\(device):\(name)"
-    case "uploadFlaky", "pullFlaky", "uploadDelayed": return "\(device):\(name)(\(n))"
+    case "uploadFlaky", "pullFlaky", "uploadDelayed", "uploadCrash", "pullCrash": return "\(device):\(name)(\(n))"
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
     default: return "\(device):\(name)(\(p))"
@@ -71,7 +72,8 @@ func liveFileNames(_ records: [CloudItem]) -> [String] {
 /// it reaches the cloud, or reach it and lose its reply (the client cannot tell the two apart).
 /// A page of the change feed may be lost, come with its records in another order, overlap pages
 /// already delivered (a retried request), or be an old page delivered again (a late duplicate):
-/// the client must apply each record once and never go back to an older version.
+/// the client must apply each record once and never go back to an older version. The device's
+/// process may die at a chosen request, before it leaves or after the cloud carried it out.
 final class FlakyCloud: CloudService, @unchecked Sendable {
   let inner: CloudService
   private let lock = NSLock()
@@ -159,6 +161,60 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     }
   }
 
+  /// Where the device's process dies: at the `request`th write or page request from now (1 for
+  /// the next), before it leaves or once the cloud has carried it out, before its answer
+  /// arrives. `atCrash` runs at that moment (it keeps what the device's index holds then).
+  private var crashPoint: (request: Int, afterCarriedOut: Bool, atCrash: @Sendable () -> Void)?
+  private var requestsTowardsCrash = 0
+  private var crashed = false
+
+  /// Sets the point where the device's process dies (see `crashPoint`). From then on no
+  /// request of the device reaches the cloud, as the process is gone, until `restarted()`.
+  func crash(atRequest n: Int, afterCarriedOut: Bool, atCrash: @escaping @Sendable () -> Void) {
+    lock.withLock {
+      crashPoint = (n, afterCarriedOut, atCrash)
+      requestsTowardsCrash = 0
+      crashed = false
+    }
+  }
+
+  /// Whether the device's process died at its crash point.
+  var hasCrashed: Bool { lock.withLock { crashed } }
+
+  /// The device runs again (from what it had made durable), with no crash point set.
+  func restarted() {
+    lock.withLock {
+      crashPoint = nil
+      crashed = false
+    }
+  }
+
+  /// What the crash point makes of the coming request.
+  private enum CrashFate { case none, dead, before, after }
+
+  private func crashFate() -> CrashFate {
+    lock.withLock {
+      if crashed { return .dead }
+      guard let point = crashPoint else { return .none }
+      requestsTowardsCrash += 1
+      guard requestsTowardsCrash == point.request else { return .none }
+      return point.afterCarriedOut ? .after : .before
+    }
+  }
+
+  /// The process dies now: what its index holds is kept, and nothing more leaves the device.
+  private func crashNow() -> CloudError {
+    let atCrash = lock.withLock { crashPoint?.atCrash }
+    atCrash?()
+    lock.withLock { crashed = true }
+    return CloudError.unavailable("simulated: the device crashed")
+  }
+
+  /// Fails a request of a device whose process is gone.
+  private func failIfCrashed() throws {
+    if hasCrashed { throw CloudError.unavailable("simulated: the device crashed") }
+  }
+
   /// Runs before each write with its number (1, 2, ...): lets a test act while a write is sent.
   var beforeWrite: ((Int) throws -> Void)?
   private var writesSent = 0
@@ -185,6 +241,25 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
 
   /// Sends write `what` through its fate, noting both.
   private func write<T>(_ what: String, _ body: @escaping @Sendable () async throws -> T) async throws -> T {
+    switch crashFate() {
+    case .none: break
+    case .dead:
+      note("\(what): not sent, the device has crashed")
+      throw CloudError.unavailable("simulated: the device crashed")
+    case .before:
+      note("\(what): the device crashed before sending it")
+      throw crashNow()
+    case .after:
+      let answer: String
+      do {
+        _ = try await body()
+        answer = "carried out"
+      } catch {
+        answer = "\(error)"
+      }
+      note("\(what): \(answer), the device crashed before the answer arrived")
+      throw crashNow()
+    }
     let n = lock.withLock {
       writesSent += 1
       return writesSent
@@ -269,11 +344,15 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     }
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
-  func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
+  func missingChunks(_ hashes: [String]) async throws -> Set<String> {
+    try failIfCrashed()
+    return try await inner.missingChunks(hashes)
+  }
   /// Runs before each chunk upload (as an upload is prepared): lets a test act between the
   /// uploader's snapshots and its commits.
   var beforeChunkUpload: (() throws -> Void)?
   func putChunk(hash: String, data: Data) async throws {
+    try failIfCrashed()
     try beforeChunkUpload?()
     try await inner.putChunk(hash: hash, data: data)
   }
@@ -291,12 +370,14 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   private var chunkReadsHanging = false
 
   func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
+    try failIfCrashed()
     if chunkReadsFail { throw CloudError.unavailable("simulated: chunk read lost") }
     while chunkReadsHang { try await Task.sleep(nanoseconds: 10_000_000) }
     return try await inner.getChunk(hash: hash, range: range)
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
-    try await inner.item(container, itemID: itemID)
+    try failIfCrashed()
+    return try await inner.item(container, itemID: itemID)
   }
   /// Records the next request for the change feed gets, as a late copy of an old page (the
   /// page's records as they were then, the client's token kept).
@@ -314,6 +395,16 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   private var pageHook: (() throws -> Void)?
 
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
+    switch crashFate() {
+    case .none: break
+    case .dead:
+      note("changes since \(since): not sent, the device has crashed")
+      throw CloudError.unavailable("simulated: the device crashed")
+    case .before, .after:
+      // A page only reads: the device dies before its records are applied either way.
+      note("changes since \(since): the device crashed before the page arrived")
+      throw crashNow()
+    }
     if let old = lock.withLock({ () -> [CloudItem]? in
       defer { lateCopyPending = nil }
       return lateCopyPending
@@ -434,9 +525,10 @@ struct AcknowledgedWrite {
 /// Several devices (each the real core, index, uploader and puller) over one embedded cloud,
 /// driven step by step in one thread, so a sequence of steps replays exactly. Checks at the end,
 /// after everything is healed and quiet, that every device and the cloud show the same tree,
-/// nothing is left queued, no item is unreachable, and no write that returned from close and
+/// nothing is left queued, no item is unreachable, no write that returned from close and
 /// was not knowingly replaced or deleted by a device that had seen it is lost (it is current
-/// content or a conflict version).
+/// content or a conflict version), and no item a user removed comes back unless another device
+/// changed it.
 final class SyncSimulation {
   let cloudDir: URL
   let shared: CloudEngine
@@ -453,6 +545,12 @@ final class SyncSimulation {
   /// The steps run, by name and as tuples, for a failure's message.
   var report: String { "steps: \(log); replay as (device, kind, a, b, n): [\(replay.joined(separator: ", "))]" }
   var step = 0
+  /// The items a user's step removed, with the devices whose steps removed them: an item no
+  /// other device changed must stay deleted (a zombie, an old copy back, is a finding).
+  var deletedByUser: [String: Set<Int>] = [:]
+  /// The items each device's user steps made or changed (content, name, place, mode, or an item
+  /// added below a folder): a change elsewhere may bring a deleted item back, by the rules.
+  var changedBy: [String: Set<Int>] = [:]
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -527,8 +625,26 @@ final class SyncSimulation {
     // 0 to 1.6 s pass before each step, drawn from the step (a shrunk step takes no time).
     time.advance(byNs: Int64((s.a + s.b + s.n) % 5) * 400_000_000)
     let d = s.device % devices.count
+    let kind = SyncStep.kinds[s.kind % SyncStep.kinds.count]
+    let byUser = !Self.syncKinds.contains(kind)
+    let before = byUser ? try localItems(d) : [:]
+    try perform(s, kind, on: d)
+    if byUser {
+      try noteIntent(of: d, before: before, after: try localItems(d), removing: Self.removingKinds.contains(kind))
+    }
+  }
+
+  /// The user's steps that remove items: those they take away are meant to be deleted.
+  static let removingKinds: Set = ["unlink", "rmtree", "rename", "atomicSave", "moveInto", "exchange"]
+
+  /// The steps of the sync engine; every other step is something a user does.
+  static let syncKinds: Set = [
+    "upload", "uploadFlaky", "uploadDelayed", "uploadCrash", "pull", "pullFlaky", "pullAroundUpload", "pullCrash",
+  ]
+
+  func perform(_ s: SyncStep, _ kind: String, on d: Int) throws {
     let w = devices[d]
-    switch SyncStep.kinds[s.kind % SyncStep.kinds.count] {
+    switch kind {
     case "write":
       attempt { try writeWhole(d, s.p) }
     case "atomicSave":
@@ -645,6 +761,19 @@ final class SyncSimulation {
     case "crash":
       open[d] = []
       try w.crashAndRestart()
+    case "uploadCrash":
+      // The process dies at one of the upload's requests, before it is sent or once the cloud
+      // has carried it out: the device restarts from what its index held at that moment.
+      try crashing(d, atRequest: s.n % 4 + 1, afterCarriedOut: s.n / 4 % 2 == 1) { try upload(d) }
+    case "pullCrash":
+      try crashing(d, atRequest: s.n % 3 + 1, afterCarriedOut: false) {
+        do {
+          try w.pull()
+        } catch {
+          Self.stats["failed pulls", default: 0] += 1
+        }
+        try observe(d)
+      }
     case "openForWriting":
       // An editor that keeps a file open for writing: remote changes to it wait.
       attempt {
@@ -791,9 +920,79 @@ final class SyncSimulation {
     try observe(d)
   }
 
+  /// Runs `body` on device `d` with its process dying at request `n` of it (see
+  /// `FlakyCloud.crash`), then restarts the device from its index as it was at that moment:
+  /// every later commit of the index is lost, as the process was gone. A step that sends fewer
+  /// requests ends without a crash.
+  func crashing(_ d: Int, atRequest n: Int, afterCarriedOut: Bool, _ body: () throws -> Void) throws {
+    let w = devices[d]
+    let snapshot = w.root.appendingPathComponent("index-at-crash.sqlite")
+    try? FileManager.default.removeItem(at: snapshot)
+    let index = w.index!
+    let copyFailure = LockedBox<String>()
+    links[d].crash(atRequest: n, afterCarriedOut: afterCarriedOut) {
+      // A consistent copy of every committed transaction, taken between two of them.
+      do {
+        try index.pool.writeWithoutTransaction { db in
+          try db.execute(sql: "VACUUM INTO ?", arguments: [snapshot.path])
+        }
+      } catch {
+        copyFailure.set("\(error)")
+      }
+    }
+    defer { links[d].restarted() }
+    try body()
+    guard links[d].hasCrashed else { return }
+    // The crash point holds the old index: it goes before the files are put back (an index
+    // closed later would remove the new one's WAL files).
+    links[d].restarted()
+    if let failure = copyFailure.get() {
+      throw SimulationFailure(broken: ["no copy of device \(d)'s index at its crash: \(failure)"], report: report)
+    }
+    Self.stats["crashes at a request", default: 0] += 1
+    open[d] = []
+    try w.crashAndRestart(restoringIndex: [
+      ("index.sqlite", try Data(contentsOf: snapshot)), ("index.sqlite-wal", nil),
+    ])
+    try? FileManager.default.removeItem(at: snapshot)
+  }
+
   func closeAll(_ d: Int) {
     for (h, _) in open[d] { devices[d].core.release(h) }
     open[d] = []
+  }
+
+  /// Device `d`'s items as its index has them: item id -> local revision and parent's item id.
+  func localItems(_ d: Int) throws -> [String: (revision: Int64, parent: String?)] {
+    let rows = try devices[d].index.pool.read { db in
+      try Row.fetchAll(
+        db, sql: "SELECT i.itemID, i.revision, p.itemID AS parentID FROM items i LEFT JOIN items p ON p.id = i.parent")
+    }
+    var items: [String: (revision: Int64, parent: String?)] = [:]
+    for row in rows { items[row["itemID"]] = (row["revision"], row["parentID"]) }
+    return items
+  }
+
+  /// Notes what a user's step on device `d` meant: the items it removed (deleted, or replaced
+  /// by a rename over them) are meant to stay deleted; the items it made or changed (new, a new
+  /// revision), and every folder above them, are changed by `d`.
+  func noteIntent(
+    of d: Int, before: [String: (revision: Int64, parent: String?)],
+    after: [String: (revision: Int64, parent: String?)],
+    removing: Bool
+  ) throws {
+    if removing {
+      for id in before.keys where after[id] == nil { deletedByUser[id, default: []].insert(d) }
+    }
+    for (id, now) in after where before[id]?.revision != now.revision {
+      var cur: String? = id
+      var depth = 0
+      while let c = cur, c != WellKnownItem.documents, depth < 64 {
+        changedBy[c, default: []].insert(d)
+        cur = after[c]?.parent
+        depth += 1
+      }
+    }
   }
 
   /// Records what device `d`'s index shows now.
@@ -875,7 +1074,7 @@ final class SyncSimulation {
   }
 
   /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content.
-  func cloudTree() throws -> (tree: [String: String], orphans: Int) {
+  func cloudTree() throws -> (tree: [String: String], orphans: Int, ids: Set<String>) {
     let container = devices[0].container
     var live: [String: CloudItem] = [:]
     var token: Int64 = 0
@@ -889,7 +1088,9 @@ final class SyncSimulation {
     }
     var tree: [String: String] = [:]
     var orphans = 0
+    var ids = Set<String>()
     for item in live.values where item.itemID != WellKnownItem.root && item.itemID != WellKnownItem.documents {
+      ids.insert(item.itemID)
       var parts = [item.name]
       var cur = item.parentID
       var depth = 0
@@ -911,7 +1112,7 @@ final class SyncSimulation {
         tree[parts.joined(separator: "/")] = Chunker.sha256Hex(bytes)
       }
     }
-    return (tree, orphans)
+    return (tree, orphans, ids)
   }
 
   /// Heals, waits for quiet, and checks every invariant; throws `SimulationFailure` with every
@@ -942,6 +1143,17 @@ final class SyncSimulation {
     check(cloud.tree == views[0].tree, "the cloud differs from device 0:\n\(diff(cloud.tree, views[0].tree))")
     for w in writes where !w.superseded {
       check(views[0].hashes.contains(w.hash), "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID))")
+    }
+    let live = try devices.indices.map { Set(try localItems($0).keys) }
+    for (id, deleters) in deletedByUser.sorted(by: { $0.key < $1.key })
+    where changedBy[id, default: []].subtracting(deleters).isEmpty {
+      let back =
+        devices.indices.filter { live[$0].contains(id) }.map { "device \($0)" }
+        + (cloud.ids.contains(id) ? ["the cloud"] : [])
+      check(
+        back.isEmpty,
+        "item \(id), deleted by device \(deleters.sorted()) and changed by no other device, is back on "
+          + back.joined(separator: ", "))
     }
     if !broken.isEmpty { throw SimulationFailure(broken: broken, report: report) }
     Self.stats["steps", default: 0] += step
@@ -1028,6 +1240,16 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 0 edits f; the commit is held back in the network and arrives after the client
+    // gave up; then f is deleted here. The delete meets device 0's own newer version, which the
+    // user deleted knowingly: f must stay deleted (found by the zombie check of the simulation).
+    [(0, 0, 0, 0, 0), (0, 6, 0, 1, 0), (0, 0, 0, 0, 0), (0, 19, 0, 0, 21), (0, 2, 0, 0, 0)],
+    // Device 1's first upload of g is held back by the network and reaches the cloud after
+    // device 0 has parked its own g; device 0 applies device 1's record with the name yielded
+    // ("g 2"), an automatic rename that goes to the cloud; device 1 deletes its g meanwhile. The
+    // rename, not a user's change, must not bring the deleted g back (found by the zombie check
+    // of the simulation, seed 6zx7mvTnosq87ER8ou8FcjdyuGKPE0vIpi6uta6ImPk=).
+    [(1, 0, 1, 0, 0), (1, 19, 1, 0, 5305), (0, 0, 1, 0, 0), (0, 6, 0, 0, 1), (1, 6, 0, 0, 1), (1, 2, 1, 0, 0)],
     // Edit versus delete: device 1 edits f, device 0 deletes it before it sees the edit.
     [
       (0, 0, 0, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0), (1, 0, 0, 0, 0), (1, 6, 0, 0, 0), (0, 2, 0, 0, 0),
@@ -1747,6 +1969,15 @@ final class SyncSimulation {
 
   /// Folder-heavy sequences found by the random test, each replayed from `folderSetup`.
   static let folderRegressions: [[(Int, String, String, String)]] = [
+    // Device 2 removes d; device 0, which has not seen it, moves d/e/d and d/e/f out of d/e and
+    // then moves d/d/e over the emptied d/e. Device 1 gets d/e's tombstone while d/e/d, whose
+    // newer record (moved, a change that wins over the delete) comes later in the feed, is
+    // still in it: d/e must wait for it, not come back as a folder kept for its items (found by
+    // the zombie check of the folder simulation, seed 6uQBQcfTQ60fiDF/5lfPZa4fGA3vjgTTP054HkYg39g=).
+    [
+      (0, "rename", "e", "f"), (2, "rmtree", "d", "d"), (2, "pullAroundUpload", "d", "d"),
+      (0, "rename", "d/e/d", "e"), (0, "moveInto", "d/e/f", "d"), (0, "moveInto", "d/d/e", "d"),
+    ],
     // Device 0 moves e into d/e; device 2, first to know nothing of it, moves d/e into e and
     // removes d. Device 2's move meets `cycle` and has to go back into d, whose delete waited
     // for that very move (found by the folder soak, seed U7c8fekMgIvKXVKp8lkc+3CwoJ6B6+UA4sRhpwItc6w=).

@@ -15,8 +15,8 @@ import Testing
   /// A record and this device's view of its item: sequence numbers small enough to collide.
   static let situations = zip(
     zip(Gen.int64(in: 1...20), Gen.bool, Gen.int64(in: 0...20).optional, Gen.bool, Gen.bool, Gen.bool, Gen.bool(0.2)),
-    Gen.int64(in: 1...20).optional
-  ).map { views, deletedHere in
+    Gen.int64(in: 1...20).optional, Gen.bool
+  ).map { views, deletedHere, changedBelow in
     let (seq, deleted, localSeq, isDirectory, changedHere, hasChildren, deleteQueued) = views
     var record = CloudItem(
       itemID: "x", parentID: WellKnownItem.documents, name: "f", kind: isDirectory ? .directory : .file,
@@ -26,7 +26,7 @@ import Testing
     let local = localSeq.map {
       RemotePlanner.LocalView(
         etag: $0 == 0 ? nil : String($0), isDirectory: isDirectory, changedHere: changedHere,
-        hasChildren: isDirectory && hasChildren)
+        hasChildren: isDirectory && hasChildren, changedBelow: isDirectory && hasChildren && changedBelow)
     }
     return Situation(record: record, local: local, deleteQueued: deleteQueued, deletedHere: deletedHere)
   }
@@ -55,6 +55,23 @@ import Testing
       }
       if decision == .delete {
         #expect(s.local?.hasChildren == false, "a folder with local children deleted: \(s)")
+      }
+      // A folder deleted there is kept only for items changed here; items as the cloud had
+      // them leave by their own records, and the tombstone waits for them.
+      if decision == .keepFolderAndUploadIt {
+        #expect(s.local?.changedBelow == true, "a folder kept for items not changed here: \(s)")
+      }
+      if decision == .waitForChildren {
+        #expect(
+          s.record.deleted && s.local?.hasChildren == true && s.local?.changedBelow == false,
+          "a tombstone waits with nothing to wait for: \(s)")
+      }
+      if s.record.deleted, let local = s.local, local.hasChildren, !local.changedHere, !s.deleteQueued,
+        !RemotePlanner.hasSeen(s.record, localEtag: local.etag)
+      {
+        #expect(
+          decision == (local.changedBelow ? .keepFolderAndUploadIt : .waitForChildren),
+          "a folder deleted there with items here: \(s) -> \(decision)")
       }
       if let local = s.local, let have = local.etag.flatMap({ Int64($0) }), s.record.changeSeq <= have {
         #expect(

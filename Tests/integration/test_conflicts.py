@@ -204,6 +204,49 @@ def test_crossed_folder_moves_lose_nothing(pair):
         assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
 
 
+def test_a_process_inside_crossed_moves_moves_a_folder_between_them(pair):
+    """A moves X into Y while B, before that arrives, moves Y into X; a process on B that holds
+    both folders open moves X/sub into Y through its descriptors, while B's move waits to be
+    refused and undone. No request hangs, and both devices end with A's move and sub in Y."""
+    import threading
+
+    a, b = pair
+    for name in ("X", "Y"):
+        (a.docs / name).mkdir()
+        (a.docs / name / f"in-{name}.txt").write_text(f"inside {name}\n")
+    (a.docs / "X" / "sub").mkdir()
+    (a.docs / "X" / "sub" / "deep.txt").write_text("deep\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "X" / "sub" / "deep.txt").exists(), what="folders on b")
+    os.rename(a.docs / "X", a.docs / "Y" / "X")
+    time.sleep(0.3)
+    os.rename(b.docs / "Y", b.docs / "X" / "Y")
+    fd_x = os.open(b.docs / "X", os.O_RDONLY | os.O_DIRECTORY)
+    fd_y = os.open(b.docs / "X" / "Y", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        def move_sub():
+            os.rename("sub", "sub", src_dir_fd=fd_x, dst_dir_fd=fd_y)
+
+        mover = threading.Thread(target=move_sub, daemon=True)
+        mover.start()
+        mover.join(timeout=20)
+        assert not mover.is_alive(), "renameat through the folders' descriptors hangs"
+        settle(a, b, rounds=4)
+        # The descriptors still name the folders, wherever they ended.
+        assert sorted(os.listdir(fd_y)) == ["X", "in-Y.txt", "sub"]
+    finally:
+        os.close(fd_x)
+        os.close(fd_y)
+    want = {
+        "Y": None, "Y/in-Y.txt": b"inside Y\n", "Y/X": None, "Y/X/in-X.txt": b"inside X\n", "Y/sub": None,
+        "Y/sub/deep.txt": b"deep\n",
+    }
+    for u in (a, b):
+        wait_for(lambda: tree(u) == want, timeout=20, what=f"A's move and sub in Y on {u.root.name}: {tree(u)}")
+        status = u.status()[0]
+        assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
+
+
 def test_crossed_moves_that_need_two_moves_undone_converge(pair):
     """A moves d4 below d2/d3/d7; 0.3 s later, before that arrives, B moves d3 into d4 and then
     d2 below d3 (two moves, each valid where it is made). The cloud takes A's move; on B,
