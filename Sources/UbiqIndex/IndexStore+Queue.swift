@@ -166,7 +166,8 @@ extension IndexStore {
       // Deleted while uploading: the version just created must go too, keeping the versions
       // of other devices it may carry (a merge's).
       try self.enqueueDelete(
-        db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty)
+        db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
+        seen: result.parentID.map { DeletedPlace(parentID: $0, name: result.name, mode: result.mode) })
       return
     }
     if placeOnly {

@@ -407,21 +407,29 @@ extension IndexStore {
     }
   }
 
-  /// Whether an item below folder `id` changed here: queued (made, moved here, edited, renamed)
-  /// or written through a handle and not recorded yet. A chain deeper than `maxDepth` counts as
-  /// changed (the folder is kept).
+  /// Whether an item below folder `id` changed here: queued (made, moved here, edited, renamed),
+  /// written through a handle and not recorded yet, or local-only (never in the cloud, so no
+  /// record of the cloud's will take it out). A chain deeper than `maxDepth` counts as changed
+  /// (the folder is kept).
   static func changedBelow(_ db: Database, _ id: Int64) throws -> Bool {
-    try Bool.fetchOne(
+    let rows = try Row.fetchCursor(
       db.cached(
         """
         WITH RECURSIVE below(id, depth) AS (
           SELECT id, 1 FROM items WHERE parent = ?
           UNION ALL SELECT i.id, b.depth + 1 FROM items i JOIN below b ON i.parent = b.id WHERE b.depth <= ?)
-        SELECT 1 FROM below b
-        WHERE b.depth > ? OR EXISTS(SELECT 1 FROM uploadQueue q WHERE q.item = b.id)
-          OR EXISTS(SELECT 1 FROM dirtyContent c WHERE c.item = b.id)
-        LIMIT 1
-        """), arguments: [id, Self.maxDepth, Self.maxDepth]) == true
+        SELECT b.depth, i.name, i.excluded,
+          EXISTS(SELECT 1 FROM uploadQueue q WHERE q.item = b.id)
+            OR EXISTS(SELECT 1 FROM dirtyContent c WHERE c.item = b.id)
+        FROM below b JOIN items i ON i.id = b.id
+        """), arguments: [id, Self.maxDepth])
+    while let row = try rows.next() {
+      // By position: depth, name, excluded, changed.
+      if (row[0] as Int) > Self.maxDepth || ItemName.isNoSync(row[1]) || (row[2] as Bool) || (row[3] as Bool) {
+        return true
+      }
+    }
+    return false
   }
 
   /// Notes that item `id`'s newest revision is a name this device's sync chose to settle a
@@ -438,27 +446,42 @@ extension IndexStore {
     ).execute(arguments: [id])
   }
 
+  /// What a commit that met its item's tombstone does (`yieldToDelete`).
+  public enum DeleteVerdict: Sendable {
+    /// The item went here too.
+    case deleted(RemoteApplyResult)
+    /// A user's change here wins over the delete: merge and commit it.
+    case changedHere
+    /// Try again later: the file is open for writing, or the folder still holds items whose
+    /// tombstones have not come yet.
+    case wait
+  }
+
   /// The uploader's commit of item `inode` (queue entry `seq`) met the item's tombstone: another
   /// device deleted it. If every change here not yet in the cloud is a name this device's sync
-  /// chose (`noteAutomaticRename`), the delete wins: the item goes here too, with its queue
-  /// entry and its held records, and the tombstone's change sequence is remembered, so a live
-  /// record of it read before does not bring it back. Nil, and nothing changes, when a user's
-  /// change is among them (it wins over the delete and brings the item back) or the item has
-  /// children here.
-  public func yieldToDelete(seq: Int64, inode: Int64, tombstone: CloudItem) throws -> RemoteApplyResult? {
-    guard tombstone.deleted else { return nil }
+  /// chose (`noteAutomaticRename`) and no bytes written through a handle wait to be recorded,
+  /// the delete wins: the item goes here too, with its queue entry and its held records, and
+  /// the tombstone's change sequence is remembered, so a live record of it read before does not
+  /// bring it back. A folder that still holds items waits for their tombstones, unless one of
+  /// them changed here (then the folder is kept, as for a remote delete).
+  public func yieldToDelete(seq: Int64, inode: Int64, tombstone: CloudItem) throws -> DeleteVerdict {
+    guard tombstone.deleted else { return .changedHere }
     return try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == tombstone.itemID,
         try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
           == row.revision,
-        try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [inode]) != true
-      else { return nil }
+        try Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [inode]) != true
+      else { return .changedHere }
+      if try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [inode]) == true {
+        return try Self.changedBelow(db, inode) ? .changedHere : .wait
+      }
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
       try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [inode])
       try Self.deleteDone(db, itemID: row.itemID, tombstone: tombstone.changeSeq)
-      return RemoteApplyResult(
-        outcome: .deleted, inode: inode, staleEntries: row.parent.map { [($0, row.name)] } ?? [], removed: row)
+      return .deleted(
+        RemoteApplyResult(
+          outcome: .deleted, inode: inode, staleEntries: row.parent.map { [($0, row.name)] } ?? [], removed: row))
     }
   }
 

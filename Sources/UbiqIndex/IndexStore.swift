@@ -206,6 +206,12 @@ public final class IndexStore: @unchecked Sendable {
             item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE, revision INTEGER NOT NULL)
           """)
     }
+    // Where the user saw an item they deleted, and its mode (`DeletedPlace`, JSON): a newer
+    // version of this device's own that the delete meets is the one they deleted only if it
+    // is still there so.
+    m.registerMigration("v16-delete-seen-place") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteSeenPlace TEXT")
+    }
     return m
   }
 
@@ -509,10 +515,12 @@ public final class IndexStore: @unchecked Sendable {
   /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
     let attempted = try Self.uploadAttempted(db, row)
+    let seen = try Self.place(db, of: row)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
       try enqueueDelete(
-        db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty)
+        db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty,
+        seen: seen)
     }
   }
 
@@ -557,20 +565,33 @@ public final class IndexStore: @unchecked Sendable {
   /// completes later fills it in (`markUploaded`); still nil when processed, the uploader asks
   /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
   /// `keepsVersions`: the file had unresolved conflict versions (see `UploadWorker`).
+  /// `seen`: where the user saw the item when they deleted it (nil: not a user's delete).
   func enqueueDelete(
-    _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false
+    _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false,
+    seen: DeletedPlace? = nil
   ) throws {
     let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud,
-        deleteKeepsVersions)
-      VALUES (?, ?, ?, ?, ?, ?)
+        deleteKeepsVersions, deleteSeenPlace)
+      VALUES (?, ?, ?, ?, ?, ?, ?)
       ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag),
         deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud),
-        deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions)
+        deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions),
+        deleteSeenPlace = COALESCE(excluded.deleteSeenPlace, deleteSeenPlace)
       """
-    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions])
+    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen?.json])
+  }
+
+  /// Where row `row` is here, as a delete remembers it.
+  static func place(_ db: Database, of row: ItemRow, parent: Int64? = nil, name: String? = nil) throws
+    -> DeletedPlace?
+  {
+    guard let parent = parent ?? row.parent,
+      let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
+    else { return nil }
+    return DeletedPlace(parentID: parentID, name: name ?? row.name, mode: row.mode)
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only.
@@ -669,7 +690,8 @@ public final class IndexStore: @unchecked Sendable {
             // downloaded (and uploaded) from; a cached one is uploaded from its cache file.
             // Both files' conflict versions stay with it: the source's item is deleted.
             try self.enqueueDelete(
-              db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src))
+              db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src),
+              seen: try Self.place(db, of: src))
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
@@ -687,7 +709,7 @@ public final class IndexStore: @unchecked Sendable {
           } else {
             try self.enqueueDelete(
               db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud,
-              keepsVersions: !dst.conflictList.isEmpty)
+              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst))
           }
         }
       }

@@ -133,11 +133,43 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var deleteMaybeInCloud: Bool
   /// A delete of a file that had unresolved conflict versions.
   public var deleteKeepsVersions: Bool
+  /// A user's delete: where they saw the item (`DeletedPlace` as JSON).
+  public var deleteSeenPlace: String?
+  /// A user's delete: where they saw the item.
+  public var deletedPlace: DeletedPlace? { deleteSeenPlace.flatMap(DeletedPlace.init(json:)) }
   public var enqueuedNs: Int64
   public var attempts: Int
   public var nextAttemptNs: Int64
   public var lastError: String?
   public var lastErrno: Int32?
+}
+
+/// Where a user saw an item when they deleted it: its folder's item id, its name, its mode.
+/// A newer version of the item that this device wrote, which the delete meets in the cloud, is
+/// the one the user deleted only if it is still so (another device's rename or mode change,
+/// merged into it, wins over the delete).
+public struct DeletedPlace: Codable, Sendable, Equatable {
+  public var parentID: String
+  public var name: String
+  public var mode: UInt32
+
+  public init(parentID: String, name: String, mode: UInt32) {
+    self.parentID = parentID
+    self.name = name
+    self.mode = mode
+  }
+
+  init?(json: String) {
+    guard let place = try? JSONDecoder().decode(Self.self, from: Data(json.utf8)) else { return nil }
+    self = place
+  }
+
+  var json: String { String(decoding: (try? JSONEncoder().encode(self)) ?? Data(), as: UTF8.self) }
+
+  /// Whether `version` is where (and as) the user saw the item.
+  public func matches(_ version: CloudItem) -> Bool {
+    version.parentID == parentID && version.name == name && version.mode == mode
+  }
 }
 
 /// Attribute changes requested through setattr.

@@ -574,7 +574,9 @@ public final class UploadWorker: @unchecked Sendable {
         // deleted already, or its tombstone was recorded above).
         // A newer version of this device's own (a commit whose answer was lost or held back
         // in the network, which the user deleted knowingly) does not stop the delete: it is
-        // sent again on that version, at most a few times.
+        // sent again on that version, at most a few times. Only if it is where and as the user
+        // saw the item: a merge this device committed may carry another device's rename or
+        // mode change, which wins over the delete.
         var ownNewerVersions = 0
         while let ifMatch = etag, restoring == nil, tombstone == nil {
           do {
@@ -589,7 +591,9 @@ public final class UploadWorker: @unchecked Sendable {
               tombstone = current.changeSeq
               break
             }
-            if current.deviceID == deviceID && current.contentAuthor == deviceID && ownNewerVersions < 3 {
+            if current.deviceID == deviceID && current.contentAuthor == deviceID
+              && entry.deletedPlace?.matches(current) == true && ownNewerVersions < 3
+            {
               ownNewerVersions += 1
               if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
                 do {
@@ -855,11 +859,21 @@ public final class UploadWorker: @unchecked Sendable {
         // Deleted elsewhere while the only change here is a name this device's sync chose: the
         // delete wins. A file open here waits for its close (what is written meanwhile wins).
         if current.deleted {
-          if inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }
-          if let gone = try index.yieldToDelete(seq: entry.seq, inode: inode, tombstone: current) {
+          // Under the inode's lock, as a remote change is applied: no open or write comes between.
+          let verdict = try inodes.withInodeLock(inode) { () throws -> IndexStore.DeleteVerdict in
+            inodes.isBusy(inode) ? .wait : try index.yieldToDelete(seq: entry.seq, inode: inode, tombstone: current)
+          }
+          switch verdict {
+          case .deleted(let gone):
             log.info("\(row.name): deleted on another device; its automatic rename here gives way")
             onMerged([gone])
             return
+          case .wait:
+            // Open for writing, or a folder whose items' tombstones the pull has not brought yet.
+            onNeedsPull()
+            throw Postpone(ns: 500_000_000)
+          case .changedHere:
+            break
           }
         }
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")

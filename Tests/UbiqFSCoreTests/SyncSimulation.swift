@@ -1865,6 +1865,63 @@ final class SyncSimulation {
   /// new version over the first while the first one's commit is on its way (so the first is
   /// deleted, not continued); the page the pull reads then holds the first one, live, and its
   /// delete is done while the pull waits for the page.
+  /// Device b renames f to g; device a, which has not seen it, edits f: its commit meets the
+  /// rename and is merged (name g, a's bytes), and the merge's answer is lost. The user then
+  /// deletes f on a. The delete meets a version written by a with a's content, but it carries
+  /// b's rename, which wins over the delete: g stays, with a's bytes, on both devices.
+  @Test func aDeleteThatMeetsItsOwnMergeOfAnotherDevicesRenameKeepsTheRename() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try b.core.rename(parent: b.documents, name: "f", newParent: b.documents, newName: "g", flags: [])
+      try b.drainUploads()
+      let v2 = Data("v2, edited on a\n".utf8)
+      try a.writeFile("f", v2)
+      // The write after the one the cloud refused (the merged version) loses its answer.
+      hooked.beforeWrite = { _ in
+        if hooked.trace.last?.contains("conflict") == true { hooked.repliesToLose = 1 }
+      }
+      let worker = a.worker!
+      let due = try a.index.dueQueue(now: Int64.max / 2, limit: 64)
+      _ = try runBlocking { await worker.drain(due) }
+      hooked.beforeWrite = nil
+      #expect(hooked.trace.contains { $0.contains("g if-match") && $0.contains("lostReply") }, "\(hooked.trace)")
+      try a.core.unlink(parent: a.documents, name: "f")
+      try Self.settle(a, b)
+      for w in [a, b] {
+        #expect(try w.inode("f") == nil)
+        #expect(try w.inode("g").map { _ in try w.readFile("g") } == v2, "b's rename wins over a's delete")
+      }
+    }
+  }
+
+  /// A folder deleted on another device that holds a local-only item here (`.nosync`) is kept
+  /// here and in the cloud, as for any item changed here: no record of the cloud's would ever
+  /// take the local-only item out, so the folder's tombstone must not wait for it.
+  @Test func aFolderDeletedElsewhereThatHoldsALocalOnlyItemHereIsKept() async throws {
+    try await onOwnThread {
+      let (a, b, _) = try CoreWorld.pair()
+      _ = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current)
+      try a.writeFile("d/f", Data("shared\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try a.writeFile("d/notes.nosync", Data("only here\n".utf8))
+      let d = try #require(try b.inode("d"))
+      try b.core.unlink(parent: d, name: "f")
+      try b.core.rmdir(parent: b.documents, name: "d")
+      try b.drainUploads()
+      try Self.settle(a, b)
+      #expect(try a.readFile("d/notes.nosync") == Data("only here\n".utf8))
+      #expect(try a.index.heldRemote().isEmpty, "the folder's tombstone waits for ever")
+      #expect(try b.inode("d") != nil, "the folder is back in the cloud")
+      #expect(try a.inode("d/f") == nil && b.inode("d/f") == nil)
+    }
+  }
+
   @Test func aRecordReadBeforeThisDevicesDeleteDoesNotBringTheItemBack() async throws {
     try await onOwnThread {
       let cloud = GatedCloud()
