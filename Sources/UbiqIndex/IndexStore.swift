@@ -581,17 +581,17 @@ public final class IndexStore: @unchecked Sendable {
         deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions),
         deleteSeenPlace = COALESCE(excluded.deleteSeenPlace, deleteSeenPlace)
       """
-    ).execute(arguments: [itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen?.json])
+    ).execute(arguments: [
+      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json),
+    ])
   }
 
   /// Where row `row` is here, as a delete remembers it.
-  static func place(_ db: Database, of row: ItemRow, parent: Int64? = nil, name: String? = nil) throws
-    -> DeletedPlace?
-  {
-    guard let parent = parent ?? row.parent,
+  static func place(_ db: Database, of row: ItemRow) throws -> DeletedPlace? {
+    guard let parent = row.parent,
       let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
     else { return nil }
-    return DeletedPlace(parentID: parentID, name: name ?? row.name, mode: row.mode)
+    return DeletedPlace(parentID: parentID, name: row.name, mode: row.mode)
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only.

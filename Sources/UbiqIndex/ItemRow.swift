@@ -164,8 +164,6 @@ public struct DeletedPlace: Codable, Sendable, Equatable {
     self = place
   }
 
-  var json: String { String(decoding: (try? JSONEncoder().encode(self)) ?? Data(), as: UTF8.self) }
-
   /// Whether `version` is where (and as) the user saw the item.
   public func matches(_ version: CloudItem) -> Bool {
     version.parentID == parentID && version.name == name && version.mode == mode

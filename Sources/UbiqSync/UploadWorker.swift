@@ -558,25 +558,31 @@ public final class UploadWorker: @unchecked Sendable {
         // A file with other devices' unresolved conflict versions: their edits are kept (the
         // newest becomes the content and the file comes back), as an edit elsewhere wins over
         // a delete here. Only the version this device deleted goes.
+        /// Commits `kept` (the cloud's version `current` with this device's content gone and the
+        /// newest of the other devices' versions current) in place of the delete.
+        func keepOthersVersions(_ kept: CloudItem, of current: CloudItem) async throws -> CloudItem {
+          do {
+            let result = try await cloud.putItem(container, kept, ifMatch: current.etag)
+            log.info("delete of \(itemID) kept the conflict versions of other devices; the newest is current")
+            return result
+          } catch CloudError.conflict(let newer) {
+            log.info("delete of \(itemID) skipped: changed remotely (etag \(newer.etag)); restoring it")
+            return newer
+          }
+        }
         if entry.deleteKeepsVersions, let etag, restoring == nil,
           let current = try await cloud.item(container, itemID: itemID), current.etag == etag,
           let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID)
         {
-          do {
-            restoring = try await cloud.putItem(container, kept, ifMatch: etag)
-            log.info("delete of \(itemID) kept the conflict versions of other devices; the newest is current")
-          } catch CloudError.conflict(let newer) {
-            log.info("delete of \(itemID) skipped: changed remotely (etag \(newer.etag)); restoring it")
-            restoring = newer
-          }
+          restoring = try await keepOthersVersions(kept, of: current)
         }
         // Still no etag: nothing of the item is live in the cloud (it was never sent, is
-        // deleted already, or its tombstone was recorded above).
-        // A newer version of this device's own (a commit whose answer was lost or held back
-        // in the network, which the user deleted knowingly) does not stop the delete: it is
-        // sent again on that version, at most a few times. Only if it is where and as the user
-        // saw the item: a merge this device committed may carry another device's rename or
-        // mode change, which wins over the delete.
+        // deleted already, or its tombstone was recorded above). A newer version of this
+        // device's own (a commit whose answer was lost or held back in the network, which the
+        // user deleted knowingly) does not stop the delete: it is sent again on that version,
+        // at most a few times. Only if it is where and as the user saw the item: a merge this
+        // device committed may carry another device's rename or mode change, which wins over
+        // the delete.
         var ownNewerVersions = 0
         while let ifMatch = etag, restoring == nil, tombstone == nil {
           do {
@@ -596,13 +602,7 @@ public final class UploadWorker: @unchecked Sendable {
             {
               ownNewerVersions += 1
               if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
-                do {
-                  restoring = try await cloud.putItem(container, kept, ifMatch: current.etag)
-                  log.info("delete of \(itemID) kept the conflict versions of other devices; the newest is current")
-                } catch CloudError.conflict(let newer) {
-                  log.info("delete of \(itemID) skipped: changed remotely (etag \(newer.etag)); restoring it")
-                  restoring = newer
-                }
+                restoring = try await keepOthersVersions(kept, of: current)
               } else {
                 etag = current.etag
               }
