@@ -346,7 +346,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
   /// there must not be left with a deleted parent.
   static let deleteRule: TreeRule = { tree in
     if let child = tree.liveChild {
-      throw CloudError.notEmpty("'\(child.name)' (item \(child.itemID)) is still in the folder")
+      throw CloudError.notEmpty(
+        "'\(child.name)' (item \(child.itemID)) is still in the folder", blockingItemID: child.itemID)
     }
   }
 

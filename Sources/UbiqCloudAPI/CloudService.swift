@@ -215,8 +215,9 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   case cycle(String)
   /// Another live item of the same parent already has the name.
   case nameTaken(String)
-  /// A folder that still has live items cannot be deleted.
-  case notEmpty(String)
+  /// A folder that still has live items cannot be deleted; `blockingItemID` names one of them
+  /// (nil from a cloud that does not say).
+  case notEmpty(String, blockingItemID: String? = nil)
   /// A limit of the service (containers per account, items per container) would be exceeded.
   case limitExceeded(String)
 
@@ -235,7 +236,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .badParent(let m): return "bad parent: \(m)"
     case .cycle(let m): return "cycle: \(m)"
     case .nameTaken(let m): return "name taken: \(m)"
-    case .notEmpty(let m): return "not empty: \(m)"
+    case .notEmpty(let m, _): return "not empty: \(m)"
     case .limitExceeded(let m): return "limit exceeded: \(m) (EDQUOT)"
     }
   }

@@ -153,6 +153,7 @@ public struct APIClient: Sendable {
     public var current: CloudItem?
     public var missing: [String]?
     public var usage: Usage?
+    public var blockingItem: String?
   }
 
   /// Maps an error response back to the typed error the engine threw on the server. The
@@ -172,7 +173,8 @@ public struct APIClient: Sendable {
     case (409, "bad_parent"): return typed(CloudError.badParent)
     case (409, "cycle"): return typed(CloudError.cycle)
     case (409, "name_taken"): return typed(CloudError.nameTaken)
-    case (409, "not_empty"): return typed(CloudError.notEmpty)
+    case (409, "not_empty"):
+      return typed { CloudError.notEmpty($0, blockingItemID: parsed?.blockingItem) }
     case (400, "invalid_id"): return typed(CloudError.invalidID)
     case (_, "missing_chunks"): return CloudError.missingChunks(parsed?.missing ?? [])
     case (_, "hash_mismatch"): return typed(CloudError.hashMismatch)

@@ -90,6 +90,7 @@ public final class HTTPCloud: CloudService, @unchecked Sendable {
     var current: CloudItem?
     var missing: [String]?
     var usage: Usage?
+    var blockingItem: String?
   }
 
   public func putItems(_ container: ContainerID, _ puts: [ItemPut]) async throws -> ItemBatchResults {

@@ -194,19 +194,24 @@ extension IndexStore {
     }
   }
 
-  /// Whether entries older than `seq` may still take items out of folder `folderItemID` in the
-  /// cloud: deletes (their place is gone), and changes of items the cloud has in that folder.
-  /// An entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing out:
-  /// only a pull settles it, by putting the item back, which may need the folder itself.
-  public func hasQueuedEntries(before seq: Int64, touching folderItemID: String) throws -> Bool {
+  /// Whether an entry other than `seq` may still take item `itemID` out of the folder the cloud
+  /// has it in: its delete, or a change of it (a live item here is not in the folder whose
+  /// delete is queued, so its change moves it). `rm -r` deletes in the order of this device's
+  /// tree, and the cloud may still have an item moved here inside a folder deleted before it,
+  /// so the place in the queue does not matter. An entry the cloud refused as invalid (`EINVAL`:
+  /// a move into a cycle) takes nothing out: only a pull settles it, by putting the item back,
+  /// which may need the folder itself.
+  public func hasQueuedEntry(for itemID: String, besides seq: Int64) throws -> Bool {
     try pool.read { db in
       try Bool.fetchOne(
         db.cached(
           """
-          SELECT 1 FROM uploadQueue q LEFT JOIN items i ON i.id = q.item
-          WHERE q.seq < ? AND (q.deleteItemID IS NOT NULL OR json_extract(i.base, '$.parentID') = ?)
-            AND q.lastErrno IS NOT ? LIMIT 1
-          """), arguments: [seq, folderItemID, EINVAL]) == true
+          SELECT 1 FROM uploadQueue WHERE deleteItemID = ?1 AND seq != ?2 AND lastErrno IS NOT ?3
+          UNION ALL
+          SELECT 1 FROM items i JOIN uploadQueue q ON q.item = i.id
+          WHERE i.itemID = ?1 AND q.seq != ?2 AND q.lastErrno IS NOT ?3
+          LIMIT 1
+          """), arguments: [itemID, seq, EINVAL]) == true
     }
   }
 

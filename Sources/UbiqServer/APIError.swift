@@ -15,6 +15,8 @@ public struct APIError: Error, Sendable {
   public var missing: [String]? = nil
   public var usage: Usage? = nil
   public var errno: String? = nil
+  /// The live item that keeps a folder from being deleted (`not_empty`).
+  public var blockingItem: String? = nil
 
   public init(_ status: HTTPResponse.Status, _ code: String, _ message: String) {
     self.status = status
@@ -35,13 +37,16 @@ public struct APIError: Error, Sendable {
     var missing: [String]?
     var usage: Usage?
     var errno: String?
+    var blockingItem: String?
     /// The HTTP status, where the error is part of a 200 answer (a refused version of a batch).
     var status: Int?
   }
 
   /// The fields of the error's JSON body; `status` for an error reported inside an answer.
   func bodyFields(status: Int? = nil) -> Body {
-    Body(error: message, code: code, current: current, missing: missing, usage: usage, errno: errno, status: status)
+    Body(
+      error: message, code: code, current: current, missing: missing, usage: usage, errno: errno,
+      blockingItem: blockingItem, status: status)
   }
 
   /// The JSON body of the error response.
@@ -114,7 +119,10 @@ public struct APIError: Error, Sendable {
     case .badParent: return APIError(.conflict, "bad_parent", e.description)
     case .cycle: return APIError(.conflict, "cycle", e.description)
     case .nameTaken: return APIError(.conflict, "name_taken", e.description)
-    case .notEmpty: return APIError(.conflict, "not_empty", e.description)
+    case .notEmpty(_, let blockingItemID):
+      var api = APIError(.conflict, "not_empty", e.description)
+      api.blockingItem = blockingItemID
+      return api
     case .limitExceeded:
       var api = APIError(.insufficientStorage507, "limit_exceeded", e.description)
       api.errno = "EDQUOT"

@@ -612,10 +612,12 @@ public final class UploadWorker: @unchecked Sendable {
             // The cloud's version comes back here with the next pull.
             log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
             restoring = current
-          } catch CloudError.notEmpty(let why) {
-            // A folder that another device put something into. Entries queued before this one
-            // may still move this device's own items out of it: they go first.
-            if try index.hasQueuedEntries(before: entry.seq, touching: itemID) { throw CloudError.notEmpty(why) }
+          } catch CloudError.notEmpty(let why, let blockingItemID) {
+            // A folder with an item in it in the cloud: another device put it there (the folder
+            // comes back), or this device's own entries have yet to take it out (they go first).
+            if let blockingItemID, try index.hasQueuedEntry(for: blockingItemID, besides: entry.seq) {
+              throw CloudError.notEmpty(why, blockingItemID: blockingItemID)
+            }
             log.info("delete of folder \(itemID) skipped: \(why); restoring it")
             restoring = try await cloud.item(container, itemID: itemID)
             break

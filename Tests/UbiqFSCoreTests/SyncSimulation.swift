@@ -2026,6 +2026,15 @@ final class SyncSimulation {
 
   /// Folder-heavy sequences found by the random test, each replayed from `folderSetup`.
   static let folderRegressions: [[(Int, String, String, String)]] = [
+    // Device 0 moves e/d/e up into e, then removes e with everything in it. Its deletes go in
+    // the order of its own tree, and the cloud still has e/e inside e/d: e/d's delete meets
+    // `not_empty` before e/e's delete is sent, and must wait for it, not bring e/d and e back
+    // (found by the zombie check of the folder soak, seed ecZTwnxYgHcHRRJ9mpG2R9VxRZ22bYsnk0eOYfzRLfk=).
+    [(0, "moveInto", "e/d/e", "e"), (0, "rmtree", "e", "d")],
+    // Device 1 removes d before it has pulled f, which device 0 put into d/e: the cloud refuses
+    // d/e's delete (f is in it) and d's (d/e is in it). d/e comes back for f, and d for d/e; d's
+    // delete waits for d/e's, but d/e's must not wait for d's.
+    [(1, "rmtree", "d", "d")],
     // Device 2 removes d; device 0, which has not seen it, moves d/e/d and d/e/f out of d/e and
     // then moves d/d/e over the emptied d/e. Device 1 gets d/e's tombstone while d/e/d, whose
     // newer record (moved, a change that wins over the delete) comes later in the feed, is

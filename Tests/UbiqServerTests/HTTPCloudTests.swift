@@ -233,7 +233,7 @@ final class HTTPCloudTests: XCTestCase {
       CloudError.invalid("size -1"), CloudError.exists("account alice"), CloudError.unauthorized("token revoked"),
       CloudError.invalidID("item id '..'"), CloudError.badParent("parent p is a file"),
       CloudError.cycle("x would be under itself"), CloudError.nameTaken("Documents/f is item i1"),
-      CloudError.notEmpty("folder d"), CloudError.limitExceeded("10 items per container"),
+      CloudError.notEmpty("folder d", blockingItemID: "i7"), CloudError.limitExceeded("10 items per container"),
       KeyValueError.invalidKey("empty key"), KeyValueError.quotaViolation("over 1 MiB"),
     ]
     for error in sent {
@@ -243,6 +243,10 @@ final class HTTPCloudTests: XCTestCase {
       XCTAssertEqual(String(describing: type(of: received)), String(describing: type(of: error)))
       if let cloud = error as? CloudError {
         XCTAssertEqual((received as? CloudError)?.errno, cloud.errno, "\(error)")
+      }
+      if case CloudError.notEmpty(_, let blocking) = error {
+        guard case CloudError.notEmpty(_, let receivedBlocking) = received else { return XCTFail("\(received)") }
+        XCTAssertEqual(receivedBlocking, blocking)
       }
     }
   }

@@ -310,3 +310,24 @@ def test_two_files_renamed_to_one_name_are_both_kept(pair):
     assert tree(a) == tree(b)
     assert sorted(tree(a).values()) == [b"x\n", b"y\n"]
     assert a.item_id(a.docs / "final 2.txt") == b.item_id(b.docs / "final 2.txt")
+
+
+def test_a_folder_moved_up_and_then_removed_with_its_parent_stays_removed(pair):
+    """A moves e/d/e up into e and removes e with everything in it before either reaches the
+    cloud, deleting e/d first (as rm -r may). The cloud still has e/e inside e/d when e/d's
+    delete arrives and refuses it (not empty); the delete waits for e/e's, and nothing comes
+    back on either device."""
+    a, b = pair
+    (a.docs / "e" / "d" / "e").mkdir(parents=True)
+    (a.docs / "e" / "d" / "e" / "x.txt").write_text("x\n")
+    (a.docs / "keep.txt").write_text("keep\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "e" / "d" / "e" / "x.txt").exists(), what="folders on b")
+    os.rename(a.docs / "e" / "d" / "e", a.docs / "e" / "e")
+    os.rmdir(a.docs / "e" / "d")
+    shutil.rmtree(a.docs / "e")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: tree(u) == {"keep.txt": b"keep\n"}, timeout=20, what=f"e gone on {u.root.name}: {tree(u)}")
+        status = u.status()[0]
+        assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status

@@ -247,6 +247,9 @@ def test_a_batch_of_deletes_goes_in_order_and_stops_at_the_first_refused(api):
         body = api.post(f"{CQ}/deletes", batch).json()
         assert [i["itemID"] for i in body["committed"]] == [f"ok-del{n}"], (code, body)
         assert (body["refused"]["status"], body["refused"]["code"]) == (status, code), body
+        # A folder that is not empty names an item that keeps it (the client waits for its own
+        # queued change of that item, or brings the folder back).
+        assert body["refused"].get("blockingItem") == ("nc" if code == "not_empty" else None), body
     assert api.get(f"{CQ}/items/nc").json()["etag"] == child["etag"]
     # A request that is wrong as a whole deletes nothing.
     one = {"deletes": [{"itemID": "nc", "ifMatch": child["etag"]}]}

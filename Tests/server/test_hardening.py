@@ -83,8 +83,10 @@ def test_a_folder_with_live_items_is_not_deleted(api):
     sub = put(api, folder("nd-sub", "sub", parent="nd")).json()
     assert api.put(f"/v1/chunks/{sha(b'inside')}", b"inside").status in (200, 201)
     assert put(api, item("nd-file", "f.txt", b"inside", parent="nd-sub")).status == 201
-    error(api.delete(f"{CQ}/items/nd", headers={"If-Match": f'"{d["etag"]}"'}), 409, "not_empty")
-    error(api.delete(f"{CQ}/items/nd-sub", headers={"If-Match": f'"{sub["etag"]}"'}), 409, "not_empty")
+    body = error(api.delete(f"{CQ}/items/nd", headers={"If-Match": f'"{d["etag"]}"'}), 409, "not_empty")
+    assert body["blockingItem"] == "nd-sub", body
+    body = error(api.delete(f"{CQ}/items/nd-sub", headers={"If-Match": f'"{sub["etag"]}"'}), 409, "not_empty")
+    assert body["blockingItem"] == "nd-file", body
     # Nothing was deleted; once the contents are gone (rm -r order), the folders go too.
     assert not api.get(f"{CQ}/items/nd").json()["deleted"]
     f = api.get(f"{CQ}/items/nd-file").json()
