@@ -615,7 +615,8 @@ public final class UploadWorker: @unchecked Sendable {
           } catch CloudError.notEmpty(let why, let blockingItemID) {
             // A folder with an item in it in the cloud: another device put it there (the folder
             // comes back), or this device's own entries have yet to take it out (they go first).
-            if let blockingItemID, try index.hasQueuedEntry(for: blockingItemID, besides: entry.seq) {
+            // A cloud that does not name the item gets the folder back: nothing is lost.
+            if let blockingItemID, try index.hasQueuedEntry(takingOut: blockingItemID, of: itemID, besides: entry.seq) {
               throw CloudError.notEmpty(why, blockingItemID: blockingItemID)
             }
             log.info("delete of folder \(itemID) skipped: \(why); restoring it")
