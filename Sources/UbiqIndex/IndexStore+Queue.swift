@@ -195,15 +195,18 @@ extension IndexStore {
   }
 
   /// Whether an entry other than `seq` will take item `itemID` out of folder `folderItemID`,
-  /// which the cloud has it in: its delete, or a change of an item this device knew in that
-  /// folder (the folder's delete is queued, so the item is elsewhere here: the change moves it
-  /// out). An item another device put into the folder, which this device has not seen there,
-  /// stays there whatever this device changes, and the folder comes back for it. `rm -r` deletes
-  /// in the order of this device's tree, and the cloud may still have an item moved here inside
-  /// a folder deleted before it, so the place in the queue does not matter. An entry the cloud
-  /// refused as invalid (`EINVAL`: a move into a cycle) takes nothing out: only a pull settles
-  /// it, by putting the item back, which may need the folder itself.
-  public func hasQueuedEntry(takingOut itemID: String, of folderItemID: String, besides seq: Int64) throws -> Bool {
+  /// which the cloud has it in: its delete, or a change of an item this device put there or
+  /// knew there (the folder's delete is queued, so the item is elsewhere here: the change moves
+  /// it out). `placedHere`: the cloud's version of the item is this device's own, which may be
+  /// a commit whose answer never came (no base here, or an older one). An item another device
+  /// put into the folder stays there whatever this device changes, and the folder comes back
+  /// for it. `rm -r` deletes in the order of this device's tree, and the cloud may still have
+  /// an item moved here inside a folder deleted before it, so the place in the queue does not
+  /// matter. An entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing
+  /// out: only a pull settles it, by putting the item back, which may need the folder itself.
+  public func hasQueuedEntry(
+    takingOut itemID: String, of folderItemID: String, placedHere: Bool, besides seq: Int64
+  ) throws -> Bool {
     try pool.read { db in
       try Bool.fetchOne(
         db.cached(
@@ -211,9 +214,10 @@ extension IndexStore {
           SELECT 1 FROM uploadQueue WHERE deleteItemID = ?1 AND seq != ?2 AND lastErrno IS NOT ?3
           UNION ALL
           SELECT 1 FROM items i JOIN uploadQueue q ON q.item = i.id
-          WHERE i.itemID = ?1 AND q.seq != ?2 AND q.lastErrno IS NOT ?3 AND json_extract(i.base, '$.parentID') = ?4
+          WHERE i.itemID = ?1 AND q.seq != ?2 AND q.lastErrno IS NOT ?3
+            AND (?5 OR json_extract(i.base, '$.parentID') = ?4)
           LIMIT 1
-          """), arguments: [itemID, seq, EINVAL, folderItemID]) == true
+          """), arguments: [itemID, seq, EINVAL, folderItemID, placedHere]) == true
     }
   }
 

@@ -616,8 +616,13 @@ public final class UploadWorker: @unchecked Sendable {
             // A folder with an item in it in the cloud: another device put it there (the folder
             // comes back), or this device's own entries have yet to take it out (they go first).
             // A cloud that does not name the item gets the folder back: nothing is lost.
-            if let blockingItemID, try index.hasQueuedEntry(takingOut: blockingItemID, of: itemID, besides: entry.seq) {
-              throw CloudError.notEmpty(why, blockingItemID: blockingItemID)
+            if let blockingItemID {
+              let placedHere = try await cloud.item(container, itemID: blockingItemID)?.deviceID == deviceID
+              if try index.hasQueuedEntry(
+                takingOut: blockingItemID, of: itemID, placedHere: placedHere, besides: entry.seq)
+              {
+                throw CloudError.notEmpty(why, blockingItemID: blockingItemID)
+              }
             }
             log.info("delete of folder \(itemID) skipped: \(why); restoring it")
             restoring = try await cloud.item(container, itemID: itemID)

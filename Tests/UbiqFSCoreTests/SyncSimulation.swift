@@ -163,7 +163,7 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     }
   }
 
-  /// Where the device's process dies: at the `request`th write or page request from now (1 for
+  /// Where the device's process dies: at the `request`th request from now (1 for
   /// the next), before it leaves or once the cloud has carried it out, before its answer
   /// arrives. `atCrash` runs at that moment (it keeps what the device's index holds then).
   private var crashPoint: (request: Int, afterCarriedOut: Bool, atCrash: @Sendable () -> Void)?
@@ -213,8 +213,25 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
 
   /// Fails a request of a device whose process is gone.
-  private func failIfCrashed() throws {
-    if hasCrashed { throw CloudError.unavailable("simulated: the device crashed") }
+  /// Sends a request that only reads or stores a chunk (content-addressed, so sending it twice
+  /// is harmless) through the crash point: the process may die before it leaves, or once the
+  /// cloud has answered, before the answer arrives.
+  private func throughCrashPoint<T>(_ what: String, _ body: () async throws -> T) async throws -> T {
+    switch crashFate() {
+    case .none:
+      return try await body()
+    case .dead:
+      throw CloudError.unavailable("simulated: the device crashed")
+    case .before:
+      SyncSimulation.stats["crashes at a read or chunk request", default: 0] += 1
+      note("\(what): the device crashed before sending it")
+      throw crashNow()
+    case .after:
+      SyncSimulation.stats["crashes at a read or chunk request", default: 0] += 1
+      _ = try? await body()
+      note("\(what): answered, the device crashed before the answer arrived")
+      throw crashNow()
+    }
   }
 
   /// Runs before each write with its number (1, 2, ...): lets a test act while a write is sent.
@@ -347,16 +364,14 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> {
-    try failIfCrashed()
-    return try await inner.missingChunks(hashes)
+    try await throughCrashPoint("missing chunks of \(hashes.count)") { try await inner.missingChunks(hashes) }
   }
   /// Runs before each chunk upload (as an upload is prepared): lets a test act between the
   /// uploader's snapshots and its commits.
   var beforeChunkUpload: (() throws -> Void)?
   func putChunk(hash: String, data: Data) async throws {
-    try failIfCrashed()
     try beforeChunkUpload?()
-    try await inner.putChunk(hash: hash, data: data)
+    try await throughCrashPoint("put chunk \(hash.prefix(8))") { try await inner.putChunk(hash: hash, data: data) }
   }
   /// While set, every chunk download fails as if the cloud were unreachable.
   var chunkReadsFail: Bool {
@@ -372,14 +387,14 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
   private var chunkReadsHanging = false
 
   func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
-    try failIfCrashed()
     if chunkReadsFail { throw CloudError.unavailable("simulated: chunk read lost") }
     while chunkReadsHang { try await Task.sleep(nanoseconds: 10_000_000) }
-    return try await inner.getChunk(hash: hash, range: range)
+    return try await throughCrashPoint("get chunk \(hash.prefix(8))") {
+      try await inner.getChunk(hash: hash, range: range)
+    }
   }
   func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
-    try failIfCrashed()
-    return try await inner.item(container, itemID: itemID)
+    try await throughCrashPoint("item \(itemID)") { try await inner.item(container, itemID: itemID) }
   }
   /// Records the next request for the change feed gets, as a late copy of an old page (the
   /// page's records as they were then, the client's token kept).
@@ -769,7 +784,7 @@ final class SyncSimulation {
     case "uploadCrash":
       // The process dies at one of the upload's requests, before it is sent or once the cloud
       // has carried it out: the device restarts from what its index held at that moment.
-      try crashing(d, atRequest: s.n % 4 + 1, afterCarriedOut: s.n / 4 % 2 == 1) { try upload(d) }
+      try crashing(d, atRequest: s.n % 6 + 1, afterCarriedOut: s.n / 6 % 2 == 1) { try upload(d) }
     case "pullCrash":
       try crashing(d, atRequest: s.n % 3 + 1, afterCarriedOut: false) {
         do {
@@ -1023,7 +1038,8 @@ final class SyncSimulation {
           db,
           sql: """
             SELECT i.itemID, i.etag, p.itemID AS parentID,
-              i.revision != i.syncedRevision OR EXISTS(SELECT 1 FROM uploadQueue q WHERE q.item = i.id) AS pending
+              i.revision != i.syncedRevision OR EXISTS(SELECT 1 FROM uploadQueue q WHERE q.item = i.id)
+                OR EXISTS(SELECT 1 FROM dirtyContent c WHERE c.item = i.id) AS pending
             FROM items i LEFT JOIN items p ON p.id = i.parent
             """)
       }
@@ -1988,6 +2004,36 @@ final class SyncSimulation {
       for w in [a, b] {
         #expect(try w.inode("f") == nil)
         #expect(try w.inode("g").map { _ in try w.readFile("g") } == v2, "b's rename wins over a's delete")
+      }
+    }
+  }
+
+  /// Device a creates d/f, and the answer of f's first commit is lost (f has no base here). The
+  /// user moves f out of d and removes d; f's commit is held back by the network, and d's
+  /// delete reaches the cloud while f is still in d there: refused, naming f. f's queued commit
+  /// (a's own, the cloud's f is a's) takes it out, so d's delete waits for it, and d stays
+  /// deleted on both devices.
+  @Test func aFolderDeleteWaitsForItsOwnUnconfirmedItemToLeave() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      let d = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      try a.drainUploads()
+      try a.writeFile("d/f", Data("in d\n".utf8))
+      hooked.repliesToLose = 1
+      try a.drainUploadsOnce()
+      #expect(try a.index.item(try #require(try a.inode("d/f")))?.baseItem == nil, "f's commit is unconfirmed")
+      try a.core.rename(parent: d, name: "f", newParent: a.documents, newName: "f", flags: [])
+      try a.core.rmdir(parent: a.documents, name: "d")
+      hooked.writesToDelay = 1
+      try a.drainUploadsOnce()
+      #expect(hooked.trace.contains { $0.contains("not empty") }, "\(hooked.trace)")
+      try runBlocking { await hooked.stepPassed(all: true) }
+      try Self.settle(a, b)
+      for w in [a, b] {
+        #expect(try w.inode("d") == nil, "d stays deleted")
+        #expect(try w.inode("f").map { _ in try w.readFile("f") } == Data("in d\n".utf8))
       }
     }
   }
