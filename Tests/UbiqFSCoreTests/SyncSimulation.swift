@@ -1053,17 +1053,7 @@ final class SyncSimulation {
       for row in rows { out[row["itemID"]] = Seen(etag: row["etag"], parent: row["parentID"], pending: row["pending"]) }
       return out
     }
-    var cloud: [String: CloudItem] = [:]
-    var token: Int64 = 0
-    let container = devices[0].container
-    let shared = self.shared
-    while true {
-      let since = token
-      let batch = try runBlocking { try await shared.changes(container, since: since, limit: 500) }
-      for item in batch.items { cloud[item.itemID] = item.deleted ? nil : item }
-      token = batch.token
-      if !batch.hasMore { break }
-    }
+    let cloud = try cloudRecords()
     let mine = try items(d)
     let others = try devices.indices.filter { $0 != d }.map { try items($0) }
     /// `id` and every item below it, by the parent of each.
@@ -1173,8 +1163,8 @@ final class SyncSimulation {
     return (tree, hashes, rows - 2 - reached)
   }
 
-  /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content.
-  func cloudTree() throws -> (tree: [String: String], orphans: Int, ids: Set<String>) {
+  /// The cloud's live records, by item id, read from the whole change feed.
+  func cloudRecords() throws -> [String: CloudItem] {
     let container = devices[0].container
     var live: [String: CloudItem] = [:]
     var token: Int64 = 0
@@ -1186,6 +1176,13 @@ final class SyncSimulation {
       token = batch.token
       if !batch.hasMore { break }
     }
+    return live
+  }
+
+  /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content.
+  func cloudTree() throws -> (tree: [String: String], orphans: Int, ids: Set<String>) {
+    let live = try cloudRecords()
+    let shared = self.shared
     var tree: [String: String] = [:]
     var orphans = 0
     var ids = Set<String>()
