@@ -1242,13 +1242,27 @@ final class SyncSimulation {
       check(views[0].hashes.contains(w.hash), "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID))")
     }
     let live = try devices.indices.map { Set(try localItems($0).keys) }
+    var childrenInCloud: [String: [String]] = [:]
+    for record in try cloudRecords().values {
+      if let p = record.parentID { childrenInCloud[p, default: []].append(record.itemID) }
+    }
     for (id, removals) in deletions.sorted(by: { $0.key < $1.key }) {
-      // A change counts if no removal that had seen everything came after it, and the device
-      // that made it did not remove the item itself afterwards.
+      // A change of the item, or of an item below it in the cloud now (added to a folder that
+      // was moved into it later, for one), counts if no removal that had seen everything came
+      // after it, and the device that made it did not remove the item itself afterwards.
       let lastSeenAll = removals.filter(\.seenAll).map(\.step).max() ?? 0
-      let excused = changes[id, default: []].contains { change in
-        change.step > lastSeenAll
-          && !removals.contains { $0.device == change.device && $0.step > change.step }
+      var below: [String] = [id]
+      var seen: Set<String> = [id]
+      var i = 0
+      while i < below.count {
+        for c in childrenInCloud[below[i]] ?? [] where seen.insert(c).inserted { below.append(c) }
+        i += 1
+      }
+      let excused = below.contains { item in
+        changes[item, default: []].contains { change in
+          change.step > lastSeenAll
+            && !removals.contains { $0.device == change.device && $0.step > change.step }
+        }
       }
       if excused { continue }
       let back =
@@ -2190,6 +2204,14 @@ final class SyncSimulation {
     // removes d. Device 2's move meets `cycle` and has to go back into d, whose delete waited
     // for that very move (found by the folder soak, seed U7c8fekMgIvKXVKp8lkc+3CwoJ6B6+UA4sRhpwItc6w=).
     [(0, "moveInto", "e", "d/e"), (2, "moveInto", "d/e", "e"), (2, "rmtree", "d", "d")],
+    // Device 2 makes d/f; device 0, which has not seen it, moves d into e/d and removes e/d.
+    // The cloud keeps d for f, and e/d with it: a change below a folder in the cloud's final
+    // tree excuses the folder, even where the folder became its ancestor later (found by the
+    // folder soak, seed kbuPD8epm5MJ25UYHNscGCho7BCll6aGqu2Ipc7Hupw=).
+    [
+      (2, "mkdirs", "d/f", "d"), (0, "moveInto", "d", "e/d"), (2, "pullAroundUpload", "d", "d"),
+      (0, "upload", "d", "d"), (0, "rmtree", "e/d", "d"),
+    ],
     // Found by the folder soak, seed xK99jz5/6qCrm1XcpObyGa/vRMa0kawBqgSBoQx/9Qo=.
     [
       (1, "rename", "d/e", "e/e"), (1, "moveInto", "d", "e/e"), (1, "upload", "f", "f"),
