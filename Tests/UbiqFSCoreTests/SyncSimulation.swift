@@ -1056,33 +1056,41 @@ final class SyncSimulation {
     let cloud = try cloudRecords()
     let mine = try items(d)
     let others = try devices.indices.filter { $0 != d }.map { try items($0) }
-    /// `id` and every item below it, by the parent of each.
-    func subtree(_ id: String, _ parentOf: [String: String?]) -> Set<String> {
-      var children: [String: [String]] = [:]
-      for (c, p) in parentOf { if let p { children[p, default: []].append(c) } }
-      var out: Set<String> = [id]
-      var stack = [id]
-      while let x = stack.popLast() {
-        for c in children[x] ?? [] where out.insert(c).inserted { stack.append(c) }
-      }
-      return out
-    }
-    let cloudParents = cloud.mapValues { $0.parentID }
-    let myParents = mine.mapValues(\.parent)
-    let otherParents = others.map { $0.mapValues(\.parent) }
+    let cloudChildren = Self.children(cloud.mapValues { $0.parentID })
+    let myChildren = Self.children(mine.mapValues(\.parent))
+    let otherChildren = others.map { Self.children($0.mapValues(\.parent)) }
     return { id in
-      let inCloud = subtree(id, cloudParents)
-      guard cloud[id] != nil, inCloud == subtree(id, myParents) else { return false }
+      let inCloud = Self.subtree(id, cloudChildren)
+      guard cloud[id] != nil, inCloud == Self.subtree(id, myChildren) else { return false }
       for x in inCloud {
         guard let record = cloud[x], record.etag == mine[x]?.etag, (record.conflicts ?? []).isEmpty else {
           return false
         }
       }
       for (e, theirs) in others.enumerated() where theirs[id] != nil {
-        for x in subtree(id, otherParents[e]) where theirs[x]?.pending != false || cloud[x] == nil { return false }
+        for x in Self.subtree(id, otherChildren[e]) where theirs[x]?.pending != false || cloud[x] == nil {
+          return false
+        }
       }
       return true
     }
+  }
+
+  /// Each item's children, from each item's parent.
+  static func children(_ parentOf: [String: String?]) -> [String: [String]] {
+    var children: [String: [String]] = [:]
+    for (c, p) in parentOf { if let p { children[p, default: []].append(c) } }
+    return children
+  }
+
+  /// `id` and every item below it.
+  static func subtree(_ id: String, _ children: [String: [String]]) -> Set<String> {
+    var out: Set<String> = [id]
+    var stack = [id]
+    while let x = stack.popLast() {
+      for c in children[x] ?? [] where out.insert(c).inserted { stack.append(c) }
+    }
+    return out
   }
 
   /// Records what device `d`'s index shows now.
@@ -1180,8 +1188,10 @@ final class SyncSimulation {
   }
 
   /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content.
-  func cloudTree() throws -> (tree: [String: String], orphans: Int, ids: Set<String>) {
-    let live = try cloudRecords()
+  /// `live`: the cloud's live records, when read already.
+  func cloudTree(_ live: [String: CloudItem]? = nil) throws -> (tree: [String: String], orphans: Int, ids: Set<String>)
+  {
+    let live = try live ?? cloudRecords()
     let shared = self.shared
     var tree: [String: String] = [:]
     var orphans = 0
@@ -1235,30 +1245,21 @@ final class SyncSimulation {
     for d in devices.indices {
       check(try devices[d].index.heldRemote().isEmpty, "device \(d) still holds remote records")
     }
-    let cloud = try cloudTree()
+    let records = try cloudRecords()
+    let cloud = try cloudTree(records)
     check(cloud.orphans == 0, "the cloud has \(cloud.orphans) items outside the tree")
     check(cloud.tree == views[0].tree, "the cloud differs from device 0:\n\(diff(cloud.tree, views[0].tree))")
     for w in writes where !w.superseded {
       check(views[0].hashes.contains(w.hash), "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID))")
     }
     let live = try devices.indices.map { Set(try localItems($0).keys) }
-    var childrenInCloud: [String: [String]] = [:]
-    for record in try cloudRecords().values {
-      if let p = record.parentID { childrenInCloud[p, default: []].append(record.itemID) }
-    }
+    let childrenInCloud = Self.children(records.mapValues { $0.parentID })
     for (id, removals) in deletions.sorted(by: { $0.key < $1.key }) {
       // A change of the item, or of an item below it in the cloud now (added to a folder that
       // was moved into it later, for one), counts if no removal that had seen everything came
       // after it, and the device that made it did not remove the item itself afterwards.
       let lastSeenAll = removals.filter(\.seenAll).map(\.step).max() ?? 0
-      var below: [String] = [id]
-      var seen: Set<String> = [id]
-      var i = 0
-      while i < below.count {
-        for c in childrenInCloud[below[i]] ?? [] where seen.insert(c).inserted { below.append(c) }
-        i += 1
-      }
-      let excused = below.contains { item in
+      let excused = Self.subtree(id, childrenInCloud).contains { item in
         changes[item, default: []].contains { change in
           change.step > lastSeenAll
             && !removals.contains { $0.device == change.device && $0.step > change.step }
