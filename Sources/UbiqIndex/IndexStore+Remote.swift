@@ -497,15 +497,17 @@ extension IndexStore {
   }
 
   /// After the uploader merged a conflict and committed `merged`, makes the local row match it
-  /// (the row keeps its revision, so a newer local change still uploads). `keepingPlace`: the
-  /// commit parked the item under a temporary name; the row keeps its own parent and name, as
-  /// a local change still to upload. `keepingContent`: the file is open for writing or was
-  /// saved again while the merge was committed, so its cached bytes stay current; the merged
-  /// version's content becomes a conflict version, credited to the device that wrote that
-  /// content (`contentAuthor`), and the local content is uploaded again on top.
+  /// (the row keeps its revision, so a newer local change still uploads). What the user
+  /// changed here since `snapshot` (the state the merge started from) is newer than the merge
+  /// and stays, as a local change still to upload: a rename or move, a mode, the xattrs, and
+  /// content saved again (size or mtime changed). `keepingPlace`: the commit parked the item
+  /// under a temporary name; the row keeps its own parent and name. `keepingContent`: the file
+  /// is open for writing. Kept content makes the merged version's content a conflict version,
+  /// credited to the device that wrote that content (`contentAuthor`), and the local content
+  /// is uploaded again on top.
   public func adoptMerged(
-    _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], keepingPlace: Bool = false,
-    keepingContent: Bool = false
+    _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], since snapshot: UploadSnapshot,
+    keepingPlace: Bool = false, keepingContent: Bool = false
   ) throws -> RemoteApplyResult {
     try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
@@ -513,8 +515,27 @@ extension IndexStore {
       else {
         return RemoteApplyResult(outcome: .unchanged)
       }
+      let before = snapshot.row
+      let changedHere = row.revision != before.revision
+      var xattrsHere: [String: Data] = [:]
+      for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
+        xattrsHere[r["name"]] = r["value"]
+      }
+      // A place the user chose: not a temporary name a pull parked the item under, nor a name
+      // this device's sync chose to settle a collision (the merged record settles it again).
+      let automatic =
+        try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
+        == row.revision
+      let movedHere =
+        changedHere && (row.parent != before.parent || row.name != before.name)
+        && row.name != Self.parkedName(row.itemID) && !automatic
+      let keepMode = changedHere && row.mode != before.mode
+      let keepXattrs = changedHere && xattrsHere != snapshot.xattrs
+      let saved = row.size != before.size || row.mtimeNs != before.mtimeNs
       var adopted = merged
-      let keepContent = keepingContent && row.kind == .file && merged.chunks != localChunks
+      if keepMode { adopted.mode = row.mode }
+      if keepXattrs { adopted.xattrs = xattrsHere }
+      let keepContent = (keepingContent || saved) && row.kind == .file && merged.chunks != localChunks
       if keepContent {
         var conflicts = (merged.conflicts ?? []).filter { $0.chunks != localChunks }
         conflicts.append(
@@ -529,7 +550,8 @@ extension IndexStore {
       }
       var result = try self.applyRecord(db, adopted, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
       var moveBack = false
-      if keepingPlace, let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode])
+      if keepingPlace || movedHere,
+        let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode])
       {
         moveBack = now.parent != row.parent || now.name != row.name
       }
@@ -538,7 +560,13 @@ extension IndexStore {
           sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [row.parent, row.name, inode])
         result.staleEntries = result.staleEntries.filter { $0 != (row.parent ?? 0, row.name) }
       }
-      if moveBack || keepContent {
+      if changedHere {
+        // The merge holds the snapshot's revision, not the newer one made here.
+        try db.execute(
+          sql: "UPDATE items SET syncedRevision = ? WHERE id = ? AND syncedRevision > ?",
+          arguments: [before.revision, inode, before.revision])
+      }
+      if moveBack || keepContent || keepMode || keepXattrs {
         // The cloud does not have this state yet: it is a local revision to upload.
         try db.execute(sql: "UPDATE items SET revision = revision + 1 WHERE id = ?", arguments: [inode])
         try self.enqueue(db, inode)

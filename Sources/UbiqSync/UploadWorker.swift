@@ -821,11 +821,11 @@ public final class UploadWorker: @unchecked Sendable {
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
       let applied = try inodes.withInodeLock(inode) {
-        // Opened for writing, or saved again, while the merge was committed: the cache file
-        // holds bytes newer than the merge and must stay.
-        let saved = try index.item(inode).map { $0.size != row.size || $0.mtimeNs != row.mtimeNs } ?? false
+        // Opened for writing while the merge was committed: the cache file holds bytes newer
+        // than the merge and must stay.
         let applied = try index.adoptMerged(
-          inode, result, localChunks: chunks, keepingPlace: keepingPlace, keepingContent: inodes.isBusy(inode) || saved)
+          inode, result, localChunks: chunks, since: p.snapshot, keepingPlace: keepingPlace,
+          keepingContent: inodes.isBusy(inode))
         if applied.outcome == .updated(contentChanged: true) { content.remoteVersionReplaced(inode) }
         return applied
       }

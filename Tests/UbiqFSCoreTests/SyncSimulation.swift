@@ -2056,6 +2056,61 @@ final class SyncSimulation {
     }
   }
 
+  /// What a user changes while a merge is committed (`aChangeMadeWhileAMergeIsCommittedStays`).
+  enum ChangeDuringMerge: CaseIterable, Sendable {
+    case rename, chmod, setxattr
+  }
+
+  /// Device a edits f while device b's edit is in the cloud: a's commit meets it and a merges.
+  /// While the merged version is being committed, the user renames f to g on a (or changes its
+  /// mode, or sets an xattr). That change is the user's newest: it must stay, and reach the
+  /// cloud and device b, not be undone by the merge.
+  @Test(arguments: ChangeDuringMerge.allCases)
+  func aChangeMadeWhileAMergeIsCommittedStays(_ change: ChangeDuringMerge) async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try b.writeFile("f", Data("from b\n".utf8))
+      try b.drainUploads()
+      try a.writeFile("f", Data("from a\n".utf8))
+      let changed = LockedBox<Bool>()
+      hooked.beforeWrite = { _ in
+        guard hooked.trace.last?.contains("conflict") == true, changed.get() != true else { return }
+        changed.set(true)
+        switch change {
+        case .rename:
+          try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
+        case .chmod:
+          _ = try a.core.setattr(try a.inode("f")!, AttributeUpdate(mode: 0o600))
+        case .setxattr:
+          try a.core.setxattr(try a.inode("f")!, name: "user.tag", value: Data("red".utf8), flags: [])
+        }
+      }
+      try a.drainUploads()
+      hooked.beforeWrite = nil
+      #expect(changed.get() == true, "\(hooked.trace)")
+      try Self.settle(a, b)
+      let name = change == .rename ? "g" : "f"
+      for w in [a, b] {
+        let inode = try #require(try w.inode(name), "\(name) on both devices")
+        switch change {
+        case .rename:
+          #expect(try w.inode("f") == nil, "f renamed on both devices")
+        case .chmod:
+          #expect(try w.core.getattr(inode).mode == 0o600, "the new mode on both devices")
+        case .setxattr:
+          #expect(
+            try w.core.getxattr(inode, name: "user.tag", size: 64) == .value(Data("red".utf8)),
+            "the xattr on both devices")
+        }
+      }
+    }
+  }
+
   /// A folder deleted on another device that holds a local-only item here (`.nosync`) is kept
   /// here and in the cloud, as for any item changed here: no record of the cloud's would ever
   /// take the local-only item out, so the folder's tombstone must not wait for it.
