@@ -142,9 +142,11 @@ extension IndexStore {
   /// Makes the local row of `r.itemID` (or a new row) match the cloud record `r`: parent, name
   /// (resolving name collisions), attributes, xattrs, content state, base and conflicts.
   /// `localChunks`: what the cache holds if it differs from the row's manifest (after a merge).
+  /// `base` and `syncedRevision`: what the cloud has and the local revision it holds, when not
+  /// `r` and the row's revision (a merge adopted with newer local changes kept on top).
   func applyRecord(
     _ db: Database, _ r: CloudItem, to local: ItemRow?, uid: UInt32, gid: UInt32, localChunks: [ChunkRef]? = nil,
-    collisions: NameCollisionPolicy = .settle
+    collisions: NameCollisionPolicy = .settle, base: CloudItem? = nil, syncedRevision: Int64? = nil
   ) throws -> RemoteApplyResult {
     guard let parentItemID = r.parentID,
       let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentItemID])
@@ -213,10 +215,10 @@ extension IndexStore {
       row.symlinkTarget = r.symlinkTarget
       row.etag = r.etag
       row.chunks = manifest
-      row.base = ItemRow.json(r)
+      row.base = ItemRow.json(base ?? r)
       row.conflicts = conflicts
       if contentChanged { row.content = r.size == 0 ? .cached : .dataless }
-      row.syncedRevision = row.revision
+      row.syncedRevision = syncedRevision ?? row.revision
       // A name changed here to resolve a collision goes to the cloud, so every device agrees.
       if renamedHere { row.revision += 1 }
       try Self.updateItem(db, row)
@@ -497,14 +499,16 @@ extension IndexStore {
   }
 
   /// After the uploader merged a conflict and committed `merged`, makes the local row match it
-  /// (the row keeps its revision, so a newer local change still uploads). What the user
-  /// changed here since `snapshot` (the state the merge started from) is newer than the merge
-  /// and stays, as a local change still to upload: a rename or move, a mode, the xattrs, and
-  /// content saved again (size or mtime changed). `keepingPlace`: the commit parked the item
-  /// under a temporary name; the row keeps its own parent and name. `keepingContent`: the file
-  /// is open for writing. Kept content makes the merged version's content a conflict version,
-  /// credited to the device that wrote that content (`contentAuthor`), and the local content
-  /// is uploaded again on top.
+  /// (the row keeps its revision, so a newer local change still uploads; its base becomes
+  /// `merged`, what the cloud has). What the user changed here since `snapshot` (the state the
+  /// merge started from) is newer than the merge and stays, as a local change still to upload:
+  /// a rename or move (the row stays where it is, and the merged record's name takes no name
+  /// here), a mode, the xattrs changed (over the merged set), and content saved again (size
+  /// and mtime). `keepingPlace`: the commit parked the item under a temporary name; the row
+  /// keeps its own parent and name. `keepingContent`: the file is open for writing. Local
+  /// content kept over a merge that took the other side's makes the merged content a conflict
+  /// version, credited to the device that wrote it (`contentAuthor`), and the local content is
+  /// uploaded again on top.
   public func adoptMerged(
     _ inode: Int64, _ merged: CloudItem, localChunks: [ChunkRef], since snapshot: UploadSnapshot,
     keepingPlace: Bool = false, keepingContent: Bool = false
@@ -517,10 +521,7 @@ extension IndexStore {
       }
       let before = snapshot.row
       let changedHere = row.revision != before.revision
-      var xattrsHere: [String: Data] = [:]
-      for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
-        xattrsHere[r["name"]] = r["value"]
-      }
+      var adopted = merged
       // A place the user chose: not a temporary name a pull parked the item under, nor a name
       // this device's sync chose to settle a collision (the merged record settles it again).
       let automatic =
@@ -529,12 +530,23 @@ extension IndexStore {
       let movedHere =
         changedHere && (row.parent != before.parent || row.name != before.name)
         && row.name != Self.parkedName(row.itemID) && !automatic
-      let keepMode = changedHere && row.mode != before.mode
-      let keepXattrs = changedHere && xattrsHere != snapshot.xattrs
-      let saved = row.size != before.size || row.mtimeNs != before.mtimeNs
-      var adopted = merged
-      if keepMode { adopted.mode = row.mode }
-      if keepXattrs { adopted.xattrs = xattrsHere }
+      if keepingPlace || movedHere, let parent = row.parent,
+        let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
+      {
+        adopted.parentID = parentID
+        adopted.name = row.name
+      }
+      if changedHere && row.mode != before.mode { adopted.mode = row.mode }
+      if changedHere {
+        var xattrsHere: [String: Data] = [:]
+        for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
+          xattrsHere[r["name"]] = r["value"]
+        }
+        for key in Set(xattrsHere.keys).union(snapshot.xattrs.keys) where xattrsHere[key] != snapshot.xattrs[key] {
+          adopted.xattrs[key] = xattrsHere[key]
+        }
+      }
+      let saved = row.kind == .file && (row.size != before.size || row.mtimeNs != before.mtimeNs)
       let keepContent = (keepingContent || saved) && row.kind == .file && merged.chunks != localChunks
       if keepContent {
         var conflicts = (merged.conflicts ?? []).filter { $0.chunks != localChunks }
@@ -545,28 +557,15 @@ extension IndexStore {
             chunks: merged.chunks))
         adopted.conflicts = conflicts
         adopted.chunks = localChunks
+      }
+      if keepContent || saved {
         adopted.size = row.size
         adopted.mtimeNs = row.mtimeNs
       }
-      var result = try self.applyRecord(db, adopted, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks)
-      var moveBack = false
-      if keepingPlace || movedHere,
-        let now = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode])
-      {
-        moveBack = now.parent != row.parent || now.name != row.name
-      }
-      if moveBack {
-        try db.execute(
-          sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [row.parent, row.name, inode])
-        result.staleEntries = result.staleEntries.filter { $0 != (row.parent ?? 0, row.name) }
-      }
-      if changedHere {
-        // The merge holds the snapshot's revision, not the newer one made here.
-        try db.execute(
-          sql: "UPDATE items SET syncedRevision = ? WHERE id = ? AND syncedRevision > ?",
-          arguments: [before.revision, inode, before.revision])
-      }
-      if moveBack || keepContent || keepMode || keepXattrs {
+      let result = try self.applyRecord(
+        db, adopted, to: row, uid: row.uid, gid: row.gid, localChunks: localChunks, base: merged,
+        syncedRevision: before.revision)
+      if adopted != merged {
         // The cloud does not have this state yet: it is a local revision to upload.
         try db.execute(sql: "UPDATE items SET revision = revision + 1 WHERE id = ?", arguments: [inode])
         try self.enqueue(db, inode)

@@ -2111,6 +2111,131 @@ final class SyncSimulation {
     }
   }
 
+  /// As `aChangeMadeWhileAMergeIsCommittedStays`, and device b edits f again before a's change
+  /// is uploaded: a's upload meets b's version and merges again. The change kept by the first
+  /// merge is still a's own (the row's base is the cloud's merged version, not the kept state),
+  /// so the second merge keeps it too.
+  @Test(arguments: ChangeDuringMerge.allCases)
+  func aChangeKeptOverAMergeSurvivesTheNextMerge(_ change: ChangeDuringMerge) async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try b.writeFile("f", Data("from b\n".utf8))
+      try b.drainUploads()
+      try a.writeFile("f", Data("from a\n".utf8))
+      let changed = LockedBox<Bool>()
+      let editedAgain = LockedBox<Bool>()
+      hooked.beforeWrite = { _ in
+        if changed.get() == true {
+          guard editedAgain.get() != true else { return }
+          editedAgain.set(true)
+          try b.writeFile("f", Data("from b again\n".utf8))
+          try b.drainUploads()
+          return
+        }
+        guard hooked.trace.last?.contains("conflict") == true else { return }
+        changed.set(true)
+        switch change {
+        case .rename:
+          try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
+        case .chmod:
+          _ = try a.core.setattr(try a.inode("f")!, AttributeUpdate(mode: 0o600))
+        case .setxattr:
+          try a.core.setxattr(try a.inode("f")!, name: "user.tag", value: Data("red".utf8), flags: [])
+        }
+      }
+      try a.drainUploads()
+      hooked.beforeWrite = nil
+      #expect(editedAgain.get() == true, "\(hooked.trace)")
+      try Self.settle(a, b)
+      let name = change == .rename ? "g" : "f"
+      for w in [a, b] {
+        let inode = try #require(try w.inode(name), "\(name) on both devices")
+        switch change {
+        case .rename:
+          #expect(try w.inode("f") == nil, "f renamed on both devices")
+        case .chmod:
+          #expect(try w.core.getattr(inode).mode == 0o600, "the new mode on both devices")
+        case .setxattr:
+          #expect(
+            try w.core.getxattr(inode, name: "user.tag", size: 64) == .value(Data("red".utf8)),
+            "the xattr on both devices")
+        }
+      }
+    }
+  }
+
+  /// While a's merge of f is committed, the user renames f to g and creates a new f (a save
+  /// that keeps a backup). The rename stays, and the new f keeps its name: the merged record's
+  /// name f is not applied here first (it would make the new f yield as "f 2").
+  @Test func aRenameDuringAMergeLeavesTheOldNameToANewFile() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try b.writeFile("f", Data("from b\n".utf8))
+      try b.drainUploads()
+      try a.writeFile("f", Data("from a\n".utf8))
+      let changed = LockedBox<Bool>()
+      hooked.beforeWrite = { _ in
+        guard hooked.trace.last?.contains("conflict") == true, changed.get() != true else { return }
+        changed.set(true)
+        try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
+        try a.writeFile("f", Data("new f\n".utf8))
+      }
+      try a.drainUploads()
+      hooked.beforeWrite = nil
+      #expect(changed.get() == true, "\(hooked.trace)")
+      try Self.settle(a, b)
+      for w in [a, b] {
+        #expect(try w.readFile("f") == Data("new f\n".utf8), "the new f keeps its name")
+        #expect(try w.inode("g") != nil, "the renamed file is g")
+        #expect(try w.inode("f 2") == nil, "no f 2")
+      }
+    }
+  }
+
+  /// Device b changes f's mode, a edits f: a's upload meets b's version and the merge keeps a's
+  /// content. While the merged version is committed, a saves f again with as many bytes: the
+  /// save's mtime stays (the merge does not put the snapshot's back), and the new bytes reach b.
+  @Test func aSaveMadeWhileAMergeKeepingTheContentIsCommittedKeepsItsTime() async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      try a.writeFile("f", Data("v1\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      _ = try b.core.setattr(try b.inode("f")!, AttributeUpdate(mode: 0o640))
+      try b.drainUploads()
+      try a.writeFile("f", Data("from a\n".utf8))
+      let savedAt = LockedBox<Int64>()
+      hooked.beforeWrite = { _ in
+        guard hooked.trace.last?.contains("conflict") == true, savedAt.get() == nil else { return }
+        Thread.sleep(forTimeInterval: 0.01)
+        let inode = try a.writeFile("f", Data("FROM A\n".utf8))
+        savedAt.set(try a.core.getattr(inode).mtimeNs)
+      }
+      try a.drainUploads()
+      hooked.beforeWrite = nil
+      let saved = try #require(savedAt.get(), "\(hooked.trace)")
+      try Self.settle(a, b)
+      for w in [a, b] {
+        let inode = try #require(try w.inode("f"))
+        #expect(try w.readFile("f") == Data("FROM A\n".utf8))
+        #expect(try w.core.getattr(inode).mode == 0o640, "b's mode")
+        #expect(try w.core.getattr(inode).mtimeNs == saved, "the save's time")
+      }
+    }
+  }
+
   /// A folder deleted on another device that holds a local-only item here (`.nosync`) is kept
   /// here and in the cloud, as for any item changed here: no record of the cloud's would ever
   /// take the local-only item out, so the folder's tombstone must not wait for it.
