@@ -37,15 +37,21 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
-    "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash",
+    "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash", "userStepDuringUpload",
   ]
-  /// How often each kind is drawn (out of 43); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 45); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   /// A step by the names of its kind and path (a sequence written by hand).
   static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
     SyncStep(device: device, kind: kinds.firstIndex(of: kind)!, a: paths.firstIndex(of: path)!, b: 0, n: 0)
+  }
+  /// What a user does while a `userStepDuringUpload` step's upload is sent, and before which
+  /// of its writes (1 for the first).
+  static let stepsDuringUpload = ["write", "rename", "chmod", "unlink", "moveInto", "atomicSave"]
+  var duringUpload: (kind: String, beforeWrite: Int) {
+    (Self.stepsDuringUpload[n % Self.stepsDuringUpload.count], n / Self.stepsDuringUpload.count % 2 + 1)
   }
   var p: String { Self.paths[a % Self.paths.count] }
   var q: String { Self.paths[b % Self.paths.count] }
@@ -56,6 +62,9 @@ struct SyncStep: Sendable, CustomStringConvertible {
     case "uploadFlaky", "pullFlaky", "uploadDelayed", "uploadCrash", "pullCrash": return "\(device):\(name)(\(n))"
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
+    case "userStepDuringUpload":
+      let (kind, k) = duringUpload
+      return "\(device):upload with \(kind)(\(p), \(q)) before write \(k)"
     default: return "\(device):\(name)(\(p))"
     }
   }
@@ -651,13 +660,19 @@ final class SyncSimulation {
     time.advance(byNs: Int64((s.a + s.b + s.n) % 5) * 400_000_000)
     let d = s.device % devices.count
     let kind = SyncStep.kinds[s.kind % SyncStep.kinds.count]
-    let byUser = !Self.syncKinds.contains(kind)
-    let before = byUser ? try localItems(d) : [:]
-    let seenBefore = byUser && Self.removingKinds.contains(kind) ? try seenEverything(by: d) : nil
-    try perform(s, kind, on: d)
-    if byUser {
-      try noteIntent(of: d, before: before, after: try localItems(d), seenAll: seenBefore)
+    if Self.syncKinds.contains(kind) {
+      try perform(s, kind, on: d)
+    } else {
+      try performByUser(s, kind, on: d)
     }
+  }
+
+  /// A user's step on device `d`, with what it means to do (`noteIntent`).
+  func performByUser(_ s: SyncStep, _ kind: String, on d: Int) throws {
+    let before = try localItems(d)
+    let seenBefore = Self.removingKinds.contains(kind) ? try seenEverything(by: d) : nil
+    try perform(s, kind, on: d)
+    try noteIntent(of: d, before: before, after: try localItems(d), seenAll: seenBefore)
   }
 
   /// The user's steps that remove items: those they take away are meant to be deleted.
@@ -666,6 +681,7 @@ final class SyncSimulation {
   /// The steps of the sync engine; every other step is something a user does.
   static let syncKinds: Set = [
     "upload", "uploadFlaky", "uploadDelayed", "uploadCrash", "pull", "pullFlaky", "pullAroundUpload", "pullCrash",
+    "userStepDuringUpload",
   ]
 
   func perform(_ s: SyncStep, _ kind: String, on d: Int) throws {
@@ -751,6 +767,26 @@ final class SyncSimulation {
       }
     case "upload":
       try upload(d)
+    case "userStepDuringUpload":
+      // The user acts while the uploader sends a write (a commit, a merge's commit, a delete):
+      // what the uploader records when the answer comes must not undo it.
+      let (userKind, k) = s.duringUpload
+      let userStep = SyncStep(
+        device: s.device, kind: SyncStep.kinds.firstIndex(of: userKind)!, a: s.a, b: s.b, n: s.n)
+      let writes = LockedBox<Int>()
+      let failure = LockedBox<String>()
+      links[d].beforeWrite = { _ in
+        let n = (writes.get() ?? 0) + 1
+        writes.set(n)
+        guard n == k else { return }
+        Self.stats["user steps during an upload", default: 0] += 1
+        do { try self.performByUser(userStep, userKind, on: d) } catch { failure.set("\(error)") }
+      }
+      defer { links[d].beforeWrite = nil }
+      try upload(d)
+      if let failure = failure.get() {
+        throw SimulationFailure(broken: ["the user's step during the upload: \(failure)"], report: report)
+      }
     case "uploadFlaky":
       links[d].injectFaults(seed: s.n)
       defer { links[d].clearFaults() }
@@ -1343,7 +1379,7 @@ final class SyncSimulation {
   static let folderKinds: [Int] = {
     let weights = [
       "mkdirs": 4, "moveInto": 6, "rename": 2, "upload": 3, "pull": 3, "write": 2, "rmtree": 1, "crash": 1,
-      "uploadFlaky": 1, "uploadDelayed": 1, "pullAroundUpload": 1,
+      "uploadFlaky": 1, "uploadDelayed": 1, "pullAroundUpload": 1, "userStepDuringUpload": 1,
     ]
     return weights.keys.sorted().flatMap { name in
       Array(repeating: SyncStep.kinds.firstIndex(of: name)!, count: weights[name]!)
