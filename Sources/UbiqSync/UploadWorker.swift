@@ -597,6 +597,14 @@ public final class UploadWorker: @unchecked Sendable {
               tombstone = current.changeSeq
               break
             }
+            // The version deleted here, renamed only by another device's sync to settle a name
+            // collision: no user's change, so the delete goes on, on that version.
+            if current.settledNameOf == ifMatch && ownNewerVersions < 3 {
+              ownNewerVersions += 1
+              log.info("delete of \(itemID) meets a name settled elsewhere (etag \(current.etag)); deleting that")
+              etag = current.etag
+              continue
+            }
             if current.deviceID == deviceID && current.contentAuthor == deviceID
               && entry.deletedPlace?.matches(current) == true && ownNewerVersions < 3
             {
@@ -779,6 +787,15 @@ public final class UploadWorker: @unchecked Sendable {
         size: p.size, mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: p.chunks,
         deviceID: deviceID)
       local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
+    }
+    // Only a name this device's sync chose differs from the base: the version says so, so that
+    // a delete based on the base still wins over it (`settledNameOf`).
+    if snap.automaticRename, let etag = row.etag, let base = row.baseItem, !base.deleted, base.etag == etag,
+      base.itemID == local.itemID, base.parentID == local.parentID, base.kind == local.kind,
+      base.mode == local.mode, base.size == local.size, base.chunks == local.chunks,
+      base.xattrs == local.xattrs, base.symlinkTarget == local.symlinkTarget
+    {
+      local.settledNameOf = etag
     }
     return local
   }

@@ -2026,6 +2026,48 @@ final class SyncSimulation {
     }
   }
 
+  /// A name settled by sync does not win over a delete made elsewhere, in either order: here the
+  /// settled name reaches the cloud first. Device d1 writes g; the creator writes f (item F1);
+  /// d0 sees both. d1, which has not seen F1, renames g to f; d0 deletes f. d1's pull then finds
+  /// the name f held by its own g, older in the cloud than F1: F1 becomes "f 2" there, and
+  /// that version (`settledNameOf` F1's version) reaches the cloud before d0's delete, sent on
+  /// F1's version, which goes on, on the settled one. F1 is gone everywhere; g is f. The creator
+  /// is a third device, or d0 itself.
+  @Test(arguments: [true, false])
+  func aDeleteWinsOverANameSettledElsewhereThatReachedTheCloudFirst(creatorIsAThirdDevice: Bool) async throws {
+    try await onOwnThread {
+      let (d0, d1, cloud) = try CoreWorld.pair()
+      let creator = try creatorIsAThirdDevice ? CoreWorld(cloud: cloud) : d0
+      let devices = creatorIsAThirdDevice ? [d0, d1, creator] : [d0, d1]
+      try d1.writeFile("g", Data("g from d1\n".utf8))
+      try d1.drainUploads()
+      try creator.writeFile("f", Data("F1\n".utf8))
+      try creator.drainUploads()
+      let inodeOfF1 = try #require(try creator.inode("f"))
+      let f1 = try #require(try creator.index.item(inodeOfF1)?.itemID)
+      try d0.pull()
+      try d1.core.rename(parent: d1.documents, name: "g", newParent: d1.documents, newName: "f", flags: [])
+      try d0.core.unlink(parent: d0.documents, name: "f")
+      try d1.pull()
+      #expect(try d1.inode("f 2") != nil, "F1 yields its name on d1")
+      try d1.drainUploads()
+      let settled = try runBlocking { try await cloud.item(d0.container, itemID: f1) }
+      #expect(settled?.name == "f 2" && settled?.settledNameOf != nil, "\(String(describing: settled))")
+      try d0.drainUploads()
+      for _ in 0..<2 {
+        for w in devices { try w.pull() }
+        for w in devices { try w.drainUploads() }
+      }
+      let inCloud = try runBlocking { try await cloud.item(d0.container, itemID: f1) }
+      #expect(inCloud?.deleted == true, "F1 is deleted in the cloud: \(String(describing: inCloud))")
+      for w in devices {
+        #expect(try w.inode("f 2") == nil, "F1 does not come back as f 2")
+        #expect(try w.index.item(itemID: f1) == nil)
+        #expect(try w.inode("f").map { _ in try w.readFile("f") } == Data("g from d1\n".utf8))
+      }
+    }
+  }
+
   /// Device a creates d/f, and the answer of f's first commit is lost (f has no base here). The
   /// user moves f out of d and removes d; f's commit is held back by the network, and d's
   /// delete reaches the cloud while f is still in d there: refused, naming f. f's queued commit
