@@ -138,8 +138,6 @@ final class HTTPCloudTests: XCTestCase {
     }
   }
 
-  /// Containers per account and items per container come back as `limitExceeded` (EDQUOT on
-  /// the mount); a change page stops at its byte limit and the next one carries on.
   /// A version's settled name (`settledNameOf`) crosses the wire both ways: one put, a batch,
   /// one record, the change feed, and the answer of a refused delete.
   func testASettledNameCrossesTheWire() async throws {
@@ -174,6 +172,8 @@ final class HTTPCloudTests: XCTestCase {
     }
   }
 
+  /// Containers per account and items per container come back as `limitExceeded` (EDQUOT on
+  /// the mount); a change page stops at its byte limit and the next one carries on.
   func testLimitsOverHTTP() async throws {
     var limits = ServerLimits()
     limits.cloud.maxContainersPerAccount = 1
