@@ -181,6 +181,9 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     var record = item
     record.deleted = false
+    // A settled name describes this write only: it is kept when it names the version the write
+    // is based on, and never carried over from an earlier version.
+    if ifMatch == nil || record.settledNameOf != ifMatch { record.settledNameOf = nil }
     return ItemWrite(
       item: record, ifMatch: ifMatch, chunks: referenced,
       rule: Self.treeRule(for: record, maxLiveItems: limits.maxItemsPerContainer))
@@ -323,8 +326,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     return nil
   }
 
-  /// The tombstone that replaces `item` when `deviceID` deletes it: no content and no extended
-  /// attributes (its conflict versions are kept).
+  /// The tombstone that replaces `item` when `deviceID` deletes it: no content, no extended
+  /// attributes and no settled name (its conflict versions are kept).
   static func tombstone(of item: CloudItem, by deviceID: String) -> CloudItem {
     var tombstone = item
     tombstone.deleted = true
@@ -332,6 +335,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     tombstone.xattrs = [:]
     tombstone.deviceID = deviceID
     tombstone.contentDeviceID = nil
+    tombstone.settledNameOf = nil
     return tombstone
   }
 
@@ -431,6 +435,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if item.deviceID.utf8.count > 128 || (item.contentDeviceID?.utf8.count ?? 0) > 128 {
       throw CloudError.invalid("device id longer than 128 bytes")
     }
+    if (item.settledNameOf?.utf8.count ?? 0) > 128 { throw CloudError.invalid("settledNameOf longer than 128 bytes") }
     if item.itemID == WellKnownItem.root {
       throw CloudError.invalid("the container root cannot be written")
     }

@@ -115,6 +115,11 @@ public struct CloudItem: Codable, Equatable, Sendable {
   public var contentDeviceID: String?
   /// Unresolved conflict versions (files only); nil or empty when there are none.
   public var conflicts: [ConflictVersion]?
+  /// The etag of the version this one differs from only by a name that the writing device's
+  /// sync chose to settle a name collision ("name 2"): no user's change, so a delete based on
+  /// that version still wins over this one. Nil for any other version; the cloud keeps it only
+  /// on the version it was sent with, and only when it is the etag the write was based on.
+  public var settledNameOf: String?
 
   /// The device whose content this version carries.
   public var contentAuthor: String { contentDeviceID ?? deviceID }

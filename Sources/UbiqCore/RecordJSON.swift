@@ -114,6 +114,10 @@ public enum RecordJSON {
         out.append(UInt8(ascii: "}"))
       }
     }
+    if let settled = item.settledNameOf {
+      key("settledNameOf", &out)
+      string(settled, &out)
+    }
     out.append(UInt8(ascii: "}"))
   }
 
@@ -204,6 +208,7 @@ extension RecordJSON {
     var deviceID: String?
     var contentDeviceID: String?
     var conflicts: [ConflictVersion]?
+    var settledNameOf: String?
     try r.object { r, key in
       switch key {
       case "itemID": itemID = try r.string(field: key)
@@ -234,6 +239,7 @@ extension RecordJSON {
       case "deviceID": deviceID = try r.string(field: key)
       case "contentDeviceID": contentDeviceID = try r.optionalString(field: key)
       case "conflicts": conflicts = try r.null() ? nil : r.array { try conflictVersion(&$0) }
+      case "settledNameOf": settledNameOf = try r.optionalString(field: key)
       default: try r.skipValue()
       }
     }
@@ -250,6 +256,7 @@ extension RecordJSON {
       deviceID: try required(deviceID, "deviceID"))
     out.contentDeviceID = contentDeviceID
     out.conflicts = conflicts
+    out.settledNameOf = settledNameOf
     return out
   }
 

@@ -10,6 +10,9 @@ public struct UploadSnapshot: Sendable {
   public var xattrs: [String: Data]
   /// Bytes of the item's content were recorded without an fsync of its cache file.
   public var contentUnsynced = false
+  /// Every change of the row's revision not yet in the cloud is a name this device's sync chose
+  /// to settle a name collision (`noteAutomaticRename`).
+  public var automaticRename = false
   /// The item and revision the snapshot shows.
   public var identity: ItemIdentity { ItemIdentity(itemID: row.itemID, revision: row.revision) }
 }
@@ -105,7 +108,11 @@ extension IndexStore {
     }
     let unsynced =
       try Bool.fetchOne(db.cached("SELECT 1 FROM unsyncedContent WHERE item = ?"), arguments: [inode]) ?? false
-    return UploadSnapshot(row: row, parentItemID: parentID, xattrs: x, contentUnsynced: unsynced)
+    let automatic =
+      try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
+      == row.revision
+    return UploadSnapshot(
+      row: row, parentItemID: parentID, xattrs: x, contentUnsynced: unsynced, automaticRename: automatic)
   }
 
   /// Records a successful upload of `revision` of `itemID` from inode `inode`. If the item changed

@@ -19,6 +19,7 @@ public enum ConflictMerge {
       newest = v
     }
     var out = current
+    out.settledNameOf = nil
     out.chunks = newest.chunks
     out.size = newest.size
     out.mtimeNs = newest.mtimeNs
@@ -37,9 +38,12 @@ public enum ConflictMerge {
     if server.deleted {
       var out = local
       out.conflicts = server.conflicts ?? local.conflicts
+      out.settledNameOf = nil
       return out
     }
     var out = server
+    // A merge is no name settled by sync alone.
+    out.settledNameOf = nil
     // The content stays the cloud's, and its author with it, unless the local side's is taken.
     out.setWriter(deviceID, contentAuthor: server.contentAuthor)
     let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true

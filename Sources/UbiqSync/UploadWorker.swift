@@ -582,7 +582,8 @@ public final class UploadWorker: @unchecked Sendable {
         // user deleted knowingly) does not stop the delete: it is sent again on that version,
         // at most a few times. Only if it is where and as the user saw the item: a merge this
         // device committed may carry another device's rename or mode change, which wins over
-        // the delete.
+        // the delete. Nor does a version that differs from the deleted one only by a name
+        // another device's sync chose (`settledNameOf`); the same bound covers both.
         var ownNewerVersions = 0
         while let ifMatch = etag, restoring == nil, tombstone == nil {
           do {
@@ -596,6 +597,19 @@ public final class UploadWorker: @unchecked Sendable {
             if current.deleted {
               tombstone = current.changeSeq
               break
+            }
+            // The version deleted here, renamed only by another device's sync to settle a name
+            // collision: no user's change, so the delete goes on, on that version. As for any
+            // delete, other devices' unresolved conflict versions of the file are kept.
+            if current.settledNameOf == ifMatch && ownNewerVersions < 3 {
+              ownNewerVersions += 1
+              log.info("delete of \(itemID) meets a name settled elsewhere (etag \(current.etag)); deleting that")
+              if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
+                restoring = try await keepOthersVersions(kept, of: current)
+              } else {
+                etag = current.etag
+              }
+              continue
             }
             if current.deviceID == deviceID && current.contentAuthor == deviceID
               && entry.deletedPlace?.matches(current) == true && ownNewerVersions < 3
@@ -779,6 +793,18 @@ public final class UploadWorker: @unchecked Sendable {
         size: p.size, mtimeNs: row.mtimeNs, symlinkTarget: row.symlinkTarget, xattrs: snap.xattrs, chunks: p.chunks,
         deviceID: deviceID)
       local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
+    }
+    // Only a name this device's sync chose differs from the base: the version says so, so that
+    // a delete based on the base still wins over it (`settledNameOf`). Any other difference
+    // from the base (place, mode, mtime, content, extended attributes, symlink target,
+    // conflict versions) leaves it unset.
+    if snap.automaticRename, let etag = row.etag, let base = row.baseItem, !base.deleted, base.etag == etag,
+      base.itemID == local.itemID, base.parentID == local.parentID, base.kind == local.kind,
+      base.mode == local.mode, base.mtimeNs == local.mtimeNs, base.size == local.size,
+      base.chunks == local.chunks, base.xattrs == local.xattrs, base.symlinkTarget == local.symlinkTarget,
+      (base.conflicts ?? []) == (local.conflicts ?? [])
+    {
+      local.settledNameOf = etag
     }
     return local
   }

@@ -45,6 +45,49 @@ final class CloudEngineTests: XCTestCase {
     XCTAssertEqual(after.items.map(\.deleted), [true])
   }
 
+  /// A version's settled name (`settledNameOf`) is stored, read back (one record, the change
+  /// feed, a refused write's answer) and kept on that version only: a write that does not send
+  /// it, or sends another etag than the one it is based on, and a tombstone have none.
+  func testASettledNameIsKeptOnTheVersionItWasSentWithOnly() async throws {
+    let cloud = try CloudEngine.embedded(directory: dir)
+    try await cloud.ensureContainer(container)
+    let data = Data("v1".utf8)
+    try await cloud.putChunk(hash: Chunker.sha256Hex(data), data: data)
+    let v1 = try await cloud.putItem(container, file("a", data), ifMatch: nil)
+    var renamed = file("a", data)
+    renamed.name = "a 2.txt"
+    renamed.settledNameOf = v1.etag
+    let v2 = try await cloud.putItem(container, renamed, ifMatch: v1.etag)
+    XCTAssertEqual(v2.settledNameOf, v1.etag)
+    let read = try await cloud.item(container, itemID: "a")
+    XCTAssertEqual(read?.settledNameOf, v1.etag)
+    let feed = try await cloud.changes(container, since: 0, limit: 100)
+    XCTAssertEqual(feed.items.first { $0.itemID == "a" }?.settledNameOf, v1.etag)
+    do {
+      _ = try await cloud.deleteItem(container, itemID: "a", ifMatch: v1.etag, deviceID: "t")
+      XCTFail("expected conflict")
+    } catch CloudError.conflict(let current) { XCTAssertEqual(current.settledNameOf, v1.etag) }
+    // Not sent: not inherited from the version before.
+    let v3 = try await cloud.putItem(container, file("a", data), ifMatch: v2.etag)
+    XCTAssertNil(v3.settledNameOf)
+    let reread = try await cloud.item(container, itemID: "a")
+    XCTAssertNil(reread?.settledNameOf)
+    // Sent with another etag than the write's own base: dropped.
+    var stale = file("a", data)
+    stale.settledNameOf = v1.etag
+    let v4 = try await cloud.putItem(container, stale, ifMatch: v3.etag)
+    XCTAssertNil(v4.settledNameOf)
+    // In a batch.
+    var batched = file("a", data)
+    batched.settledNameOf = v4.etag
+    let v5 = try await cloud.putItems(container, [ItemPut(item: batched, ifMatch: v4.etag)]).committed.first
+    XCTAssertEqual(v5?.settledNameOf, v4.etag)
+    let batchedRead = try await cloud.item(container, itemID: "a")
+    XCTAssertEqual(batchedRead?.settledNameOf, v4.etag)
+    let gone = try await cloud.deleteItem(container, itemID: "a", ifMatch: v5?.etag, deviceID: "t")
+    XCTAssertNil(gone.settledNameOf)
+  }
+
   /// The change feed as stored (what `ubiqfs serve` sends without decoding it): pages cut by
   /// count and by bytes as the decoded feed is, and its JSON reads back as the same batch.
   func testTheStoredChangeFeedReadsAsTheDecodedOne() async throws {

@@ -39,6 +39,7 @@ import Testing
       symlinkTarget: maybe(text), xattrs: xattrs, chunks: chunks(), etag: text(), deleted: Bool.random(using: &rng),
       changeSeq: number(), deviceID: text())
     item.contentDeviceID = maybe(text)
+    item.settledNameOf = maybe(text)
     item.conflicts = maybe {
       (0..<Int.random(in: 0...2, using: &rng)).map { _ in
         ConflictVersion(versionID: text(), deviceID: text(), mtimeNs: number(), size: number(), chunks: chunks())
@@ -62,6 +63,7 @@ import Testing
       mtimeNs: .max, symlinkTarget: "../t", xattrs: ["k": Data([0, 255, 62, 63])],
       chunks: [ChunkRef(hash: "h", length: 3)], etag: "7", deleted: true, changeSeq: 7, deviceID: "d")
     item.conflicts = []
+    item.settledNameOf = "6"
     let ours = try JSONSerialization.jsonObject(with: RecordJSON.encode(item)) as? NSDictionary
     let theirs = try JSONSerialization.jsonObject(with: JSONEncoder().encode(item)) as? NSDictionary
     #expect(ours != nil && ours == theirs)

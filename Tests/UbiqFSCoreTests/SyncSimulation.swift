@@ -2062,6 +2062,215 @@ final class SyncSimulation {
     }
   }
 
+  /// Item F1, named f, as device d1's sync gives it "f 2" to settle a name while device d0
+  /// deletes it. d1 writes g; the creator (a third device, or d0 itself) writes f (F1); d0 sees
+  /// both. d1, which has not seen F1, renames g to f; d0 deletes f. d1's pull then finds the
+  /// name f held by its own g, older in the cloud than F1: F1 becomes "f 2" there, an automatic
+  /// rename not yet uploaded. `beforeTheRace` runs after d0 has seen F1 and before the rename
+  /// and the delete (d0, the creator).
+  struct SettledNameRace {
+    let d0: CoreWorld
+    let d1: CoreWorld
+    let creator: CoreWorld
+    let cloud: CloudEngine
+    /// F1's item id.
+    let f1: String
+
+    var devices: [CoreWorld] { creator === d0 ? [d0, d1] : [d0, d1, creator] }
+
+    init(creatorIsAThirdDevice: Bool, beforeTheRace: (CoreWorld, CoreWorld) throws -> Void = { _, _ in }) throws {
+      let (d0, d1, cloud) = try CoreWorld.pair()
+      let creator = try creatorIsAThirdDevice ? CoreWorld(cloud: cloud) : d0
+      (self.d0, self.d1, self.creator, self.cloud) = (d0, d1, creator, cloud)
+      try d1.writeFile("g", Data("g from d1\n".utf8))
+      try d1.drainUploads()
+      try creator.writeFile("f", Data("F1\n".utf8))
+      try creator.drainUploads()
+      let inodeOfF1 = try #require(try creator.inode("f"))
+      f1 = try #require(try creator.index.item(inodeOfF1)?.itemID)
+      try d0.pull()
+      try beforeTheRace(d0, creator)
+      try d1.core.rename(parent: d1.documents, name: "g", newParent: d1.documents, newName: "f", flags: [])
+      try d0.core.unlink(parent: d0.documents, name: "f")
+      try d1.pull()
+      try checkThat(try d1.inode("f 2") != nil, "F1 yields its name on d1")
+    }
+
+    /// F1's record in the cloud.
+    func inCloud() throws -> CloudItem? {
+      let (cloud, container, f1) = (cloud, d0.container, f1)
+      return try runBlocking { try await cloud.item(container, itemID: f1) }
+    }
+
+    /// Every device pulls, then every device uploads; twice.
+    func settle() throws {
+      for _ in 0..<2 {
+        for w in devices { try w.pull() }
+        for w in devices { try w.drainUploads() }
+      }
+    }
+  }
+
+  /// A name settled by sync does not win over a delete made elsewhere, in either order: here the
+  /// settled name reaches the cloud first (`SettledNameRace`). d1's version of F1 as "f 2"
+  /// (`settledNameOf` F1's version) reaches the cloud before d0's delete, sent on F1's version,
+  /// which goes on, on the settled one. F1 is gone everywhere; g is f. The creator is a third
+  /// device, or d0 itself.
+  @Test(arguments: [true, false])
+  func aDeleteWinsOverANameSettledElsewhereThatReachedTheCloudFirst(creatorIsAThirdDevice: Bool) async throws {
+    try await onOwnThread {
+      let race = try SettledNameRace(creatorIsAThirdDevice: creatorIsAThirdDevice)
+      let (d0, d1, f1) = (race.d0, race.d1, race.f1)
+      try d1.drainUploads()
+      let settled = try race.inCloud()
+      #expect(settled?.name == "f 2" && settled?.settledNameOf != nil, "\(String(describing: settled))")
+      try d0.drainUploads()
+      try race.settle()
+      let inCloud = try race.inCloud()
+      #expect(inCloud?.deleted == true, "F1 is deleted in the cloud: \(String(describing: inCloud))")
+      for w in race.devices {
+        #expect(try w.inode("f 2") == nil, "F1 does not come back as f 2")
+        #expect(try w.index.item(itemID: f1) == nil)
+        #expect(try w.inode("f").map { _ in try w.readFile("f") } == Data("g from d1\n".utf8))
+      }
+    }
+  }
+
+  /// A delete that goes on over a settled name keeps the other devices' unresolved conflict
+  /// versions, as every delete does. Before the race (`SettledNameRace`) the creator and d0
+  /// edit F1 concurrently: d0's newer edit is current, the creator's a conflict version. d0's
+  /// delete, sent on that version, meets d1's settled "f 2": the creator's edit becomes the
+  /// content, and F1 stays as "f 2" on every device with it. Only d0's own edit, which the
+  /// user deleted, goes.
+  @Test func aDeleteOverANameSettledElsewhereKeepsAnotherDevicesConflictVersion() async throws {
+    try await onOwnThread {
+      let fromCreator = Data("edit from the creator\n".utf8)
+      let fromD0 = Data("edit from d0, newer\n".utf8)
+      let race = try SettledNameRace(creatorIsAThirdDevice: true) { d0, creator in
+        try creator.writeFile("f", fromCreator)
+        try d0.writeFile("f", fromD0)
+        try creator.drainUploads()
+        try d0.drainUploads()
+        let row = try d0.index.item(try #require(try d0.inode("f")))
+        try checkThat(try d0.readFile("f") == fromD0, "d0's newer edit is current")
+        try checkThat(
+          row?.conflictList.map { $0.chunks.map(\.hash) } == [[Chunker.sha256Hex(fromCreator)]],
+          "the creator's edit is a conflict version on d0: \(String(describing: row?.conflictList))")
+      }
+      let (d0, d1) = (race.d0, race.d1)
+      try d1.drainUploads()
+      let settled = try race.inCloud()
+      #expect(settled?.name == "f 2" && settled?.settledNameOf != nil, "\(String(describing: settled))")
+      #expect(settled?.conflicts?.count == 1, "the settled version carries the conflict version")
+      try d0.drainUploads()
+      try race.settle()
+      let inCloud = try #require(try race.inCloud())
+      #expect(!inCloud.deleted && inCloud.name == "f 2", "\(inCloud)")
+      #expect(inCloud.chunks.map(\.hash) == [Chunker.sha256Hex(fromCreator)], "the creator's edit is current")
+      #expect((inCloud.conflicts ?? []).isEmpty, "d0's own edit went with its delete")
+      for w in race.devices {
+        #expect(try w.readFile("f 2") == fromCreator, "F1 is back as f 2 with the creator's edit")
+        let row = try #require(try w.inode("f 2").flatMap { try w.index.item($0) })
+        #expect(row.conflictList.isEmpty)
+        #expect(try w.readFile("f") == Data("g from d1\n".utf8))
+      }
+    }
+  }
+
+  /// A user's change to "f 2" on d1, made before the settled name was uploaded, is the user's:
+  /// d1's version carries no `settledNameOf`, so d0's delete meets a change made elsewhere
+  /// and loses, and F1 stays as "f 2" with the change on every device.
+  @Test(arguments: ["edit", "chmod", "touch"])
+  func aUsersChangeOnTopOfASettledNameWinsOverADeleteElsewhere(change: String) async throws {
+    try await onOwnThread {
+      let race = try SettledNameRace(creatorIsAThirdDevice: true)
+      let (d0, d1) = (race.d0, race.d1)
+      let edited = Data("edited on d1 as f 2\n".utf8)
+      let inode = try #require(try d1.inode("f 2"))
+      switch change {
+      case "edit": try d1.writeFile("f 2", edited)
+      case "chmod": _ = try d1.core.setattr(inode, AttributeUpdate(mode: 0o600))
+      default: _ = try d1.core.setattr(inode, AttributeUpdate(mtime: .at(1_234_000_000_000)))
+      }
+      try d1.drainUploads()
+      let uploaded = try race.inCloud()
+      #expect(uploaded?.name == "f 2" && uploaded?.deleted == false, "\(String(describing: uploaded))")
+      #expect(uploaded?.settledNameOf == nil, "a user's change is no settled name")
+      try d0.drainUploads()
+      try race.settle()
+      let inCloud = try race.inCloud()
+      #expect(inCloud?.deleted == false && inCloud?.name == "f 2", "\(String(describing: inCloud))")
+      for w in race.devices {
+        let row = try #require(try w.inode("f 2").flatMap { try w.index.item($0) }, "F1 is f 2 on every device")
+        #expect(row.itemID == race.f1)
+        switch change {
+        case "edit": #expect(try w.readFile("f 2") == edited)
+        case "chmod": #expect(row.mode & 0o7777 == 0o600)
+        default: #expect(row.mtimeNs == 1_234_000_000_000)
+        }
+        #expect(try w.readFile("f") == Data("g from d1\n".utf8))
+      }
+    }
+  }
+
+  /// The uploader's version of d1's "f 2" (`SettledNameRace`) says that only its name was
+  /// settled (`settledNameOf`, its base's etag) as long as it differs from its base by its
+  /// name only; any other difference (place, mode, content, mtime, extended attributes,
+  /// symlink target, conflict versions), or a revision that is not the automatic rename's
+  /// alone, and it does not.
+  @Test func onlyAVersionThatDiffersFromItsBaseByASettledNameSaysSo() async throws {
+    try await onOwnThread {
+      let race = try SettledNameRace(creatorIsAThirdDevice: true)
+      let d1 = race.d1
+      let inode = try #require(try d1.inode("f 2"))
+      let snap = try #require(try d1.index.uploadSnapshot(inode))
+      let base = try #require(snap.row.baseItem)
+      #expect(snap.automaticRename, "the revision is the automatic rename's")
+      let worker = try #require(d1.worker)
+      func version(_ change: (inout UploadWorker.PreparedUpload) -> Void) -> CloudItem {
+        var p = UploadWorker.PreparedUpload(snapshot: snap, chunks: snap.row.chunkList, size: snap.row.size)
+        change(&p)
+        return worker.version(of: p)
+      }
+      let settled = version { _ in }
+      #expect(settled.name == "f 2" && settled.settledNameOf == base.etag, "\(settled)")
+      // The base recorded with an empty list of conflict versions is the same as none.
+      #expect(
+        version {
+          var b = base
+          b.conflicts = []
+          $0.snapshot.row.base = String(decoding: RecordJSON.encode(b), as: UTF8.self)
+        }.settledNameOf == base.etag)
+      let other = ChunkRef(hash: Chunker.sha256Hex(Data("other\n".utf8)), length: 6)
+      let conflict = ConflictVersion(versionID: "v9", deviceID: "elsewhere", mtimeNs: 1, size: 6, chunks: [other])
+      let conflicts = String(decoding: try JSONEncoder().encode([conflict]), as: UTF8.self)
+      let changes: [(String, (inout UploadWorker.PreparedUpload) -> Void)] = [
+        ("not the automatic rename's revision", { $0.snapshot.automaticRename = false }),
+        ("mode", { $0.snapshot.row.mode ^= 0o100 }),
+        ("content", { $0.chunks = [other] }),
+        ("size", { $0.size += 1 }),
+        ("mtime", { $0.snapshot.row.mtimeNs += 1 }),
+        ("place", { $0.snapshot.parentItemID = "elsewhere" }),
+        ("extended attributes", { $0.snapshot.xattrs["user.x"] = Data("1".utf8) }),
+        ("symlink target", { $0.snapshot.row.symlinkTarget = "t" }),
+        ("a conflict version here", { $0.snapshot.row.conflicts = conflicts }),
+        (
+          "a conflict version in the base",
+          {
+            var b = base
+            b.conflicts = [conflict]
+            $0.snapshot.row.base = String(decoding: RecordJSON.encode(b), as: UTF8.self)
+          }
+        ),
+        ("another etag", { $0.snapshot.row.etag = "elsewhere" }),
+      ]
+      for (what, change) in changes {
+        let v = version(change)
+        #expect(v.settledNameOf == nil, "\(what): \(v)")
+      }
+    }
+  }
+
   /// Device a creates d/f, and the answer of f's first commit is lost (f has no base here). The
   /// user moves f out of d and removes d; f's commit is held back by the network, and d's
   /// delete reaches the cloud while f is still in d there: refused, naming f. f's queued commit

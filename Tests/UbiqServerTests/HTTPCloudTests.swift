@@ -138,6 +138,40 @@ final class HTTPCloudTests: XCTestCase {
     }
   }
 
+  /// A version's settled name (`settledNameOf`) crosses the wire both ways: one put, a batch,
+  /// one record, the change feed, and the answer of a refused delete.
+  func testASettledNameCrossesTheWire() async throws {
+    let c = container
+    let f: @Sendable (String, Data) -> CloudItem = { Self.file($0, $1) }
+    try await withServer { url, backend in
+      let (token, _) = try await backend.createAccount("alice", quotaBytes: 1000, device: "laptop")
+      let cloud = HTTPCloud(api: try APIClient(baseURL: url, token: token))
+      try await cloud.ensureContainer(c)
+      let data = Data("settled".utf8)
+      try await cloud.putChunk(hash: Chunker.sha256Hex(data), data: data)
+      let v1 = try await cloud.putItem(c, f("a", data), ifMatch: nil)
+      var renamed = f("a", data)
+      renamed.name = "a 2.txt"
+      renamed.settledNameOf = v1.etag
+      let v2 = try await cloud.putItem(c, renamed, ifMatch: v1.etag)
+      XCTAssertEqual(v2.settledNameOf, v1.etag)
+      let read = try await cloud.item(c, itemID: "a")
+      XCTAssertEqual(read?.settledNameOf, v1.etag)
+      do {
+        _ = try await cloud.deleteItem(c, itemID: "a", ifMatch: v1.etag, deviceID: "laptop")
+        XCTFail("expected conflict")
+      } catch CloudError.conflict(let current) { XCTAssertEqual(current.settledNameOf, v1.etag) }
+      renamed.name = "a 3.txt"
+      renamed.settledNameOf = v2.etag
+      let v3 = try await cloud.putItems(c, [ItemPut(item: renamed, ifMatch: v2.etag)]).committed.first
+      XCTAssertEqual(v3?.settledNameOf, v2.etag)
+      let feed = try await cloud.changes(c, since: 0, limit: 100)
+      XCTAssertEqual(feed.items.first { $0.itemID == "a" }?.settledNameOf, v2.etag)
+      let v4 = try await cloud.putItem(c, f("a", data), ifMatch: v3?.etag)
+      XCTAssertNil(v4.settledNameOf)
+    }
+  }
+
   /// Containers per account and items per container come back as `limitExceeded` (EDQUOT on
   /// the mount); a change page stops at its byte limit and the next one carries on.
   func testLimitsOverHTTP() async throws {

@@ -263,6 +263,56 @@ def test_a_batch_of_deletes_goes_in_order_and_stops_at_the_first_refused(api):
     assert api.get(f"{CQ}/items/nc").json()["deleted"] is False
 
 
+def test_a_settled_name_is_stored_on_the_version_it_was_sent_with_only(api):
+    """`settledNameOf` (the etag of the version a write differs from only by a name the writing
+    device's sync chose) is stored and read back by each engine's metadata store: one record,
+    the change feed, a refused delete's answer (single and batched), a batch of versions. It is
+    kept only when it is the etag the write is based on, never carried over to a later version,
+    and a tombstone has none."""
+    api.ensure_container(C)
+    data = b"settled"
+    v1 = put_file(api, "s1", "s.txt", data).json()
+    assert v1.get("settledNameOf") is None
+
+    def put_version(name: str, if_match: str, **extra):
+        r = api.put(f"{CQ}/items/s1", item("s1", name, data, **extra), headers={"If-Match": f'"{if_match}"'})
+        assert r.status in (200, 201), r
+        return r.json()
+
+    v2 = put_version("s 2.txt", v1["etag"], settledNameOf=v1["etag"])
+    assert v2["settledNameOf"] == v1["etag"]
+    assert api.get(f"{CQ}/items/s1").json()["settledNameOf"] == v1["etag"]
+    feed = api.get(f"{CQ}/changes?since=2").json()
+    assert [i.get("settledNameOf") for i in feed["items"] if i["itemID"] == "s1"] == [v1["etag"]]
+    body = error(api.delete(f"{CQ}/items/s1", headers={"If-Match": f'"{v1["etag"]}"'}), 409, "conflict")
+    assert body["current"]["settledNameOf"] == v1["etag"]
+    refused = api.post(f"{CQ}/deletes", {"deletes": [{"itemID": "s1", "ifMatch": v1["etag"]}]}).json()["refused"]
+    assert refused["code"] == "conflict" and refused["current"]["settledNameOf"] == v1["etag"], refused
+    # Another etag than the one the write is based on: not stored.
+    v3 = put_version("s 3.txt", v2["etag"], settledNameOf=v1["etag"])
+    assert v3.get("settledNameOf") is None
+    assert api.get(f"{CQ}/items/s1").json().get("settledNameOf") is None
+    # In a batch.
+    puts = [{"item": item("s1", "s 4.txt", data, settledNameOf=v3["etag"]), "ifMatch": v3["etag"]}]
+    v4 = api.post(f"{CQ}/items", {"puts": puts}).json()["committed"][0]
+    assert v4["settledNameOf"] == v3["etag"]
+    assert api.get(f"{CQ}/items/s1").json()["settledNameOf"] == v3["etag"]
+    # A version that does not send it has none: it is not inherited.
+    v5 = put_version("s 4.txt", v4["etag"])
+    assert v5.get("settledNameOf") is None
+    assert api.get(f"{CQ}/items/s1").json().get("settledNameOf") is None
+    error(
+        api.put(f"{CQ}/items/s1", item("s1", "s.txt", data, settledNameOf="x" * 129),
+                headers={"If-Match": f'"{v5["etag"]}"'}), 400, "invalid")
+    v6 = put_version("s 5.txt", v5["etag"], settledNameOf=v5["etag"])
+    assert v6["settledNameOf"] == v5["etag"]
+    gone = api.delete(f"{CQ}/items/s1?device=dev-test", headers={"If-Match": f'"{v6["etag"]}"'}).json()
+    assert gone["deleted"] is True and gone.get("settledNameOf") is None
+    assert api.get(f"{CQ}/items/s1").json().get("settledNameOf") is None
+    feed = api.get(f"{CQ}/changes?since={v5['changeSeq']}").json()
+    assert [(i["deleted"], i.get("settledNameOf")) for i in feed["items"]] == [(True, None)]
+
+
 def test_a_batch_refused_by_the_quota_stores_nothing_of_the_refused_version(new_account):
     api = new_account(quota="2K")
     api.ensure_container(C)
