@@ -2304,6 +2304,64 @@ final class SyncSimulation {
   /// What a user changes while a merge is committed (`aChangeMadeWhileAMergeIsCommittedStays`).
   enum ChangeDuringMerge: CaseIterable, Sendable {
     case rename, chmod, setxattr
+
+    /// Makes the change to f on `w`.
+    func make(on w: CoreWorld) throws {
+      switch self {
+      case .rename:
+        try w.core.rename(parent: w.documents, name: "f", newParent: w.documents, newName: "g", flags: [])
+      case .chmod:
+        _ = try w.core.setattr(try w.inode("f")!, AttributeUpdate(mode: 0o600))
+      case .setxattr:
+        try w.core.setxattr(try w.inode("f")!, name: "user.tag", value: Data("red".utf8), flags: [])
+      }
+    }
+
+    /// Checks that `w` shows the change.
+    func expectShown(on w: CoreWorld) throws {
+      let name = self == .rename ? "g" : "f"
+      let inode = try #require(try w.inode(name), "\(name) on every device")
+      switch self {
+      case .rename:
+        #expect(try w.inode("f") == nil, "f renamed on every device")
+      case .chmod:
+        #expect(try w.core.getattr(inode).mode == 0o600, "the new mode on every device")
+      case .setxattr:
+        #expect(
+          try w.core.getxattr(inode, name: "user.tag", size: 64) == .value(Data("red".utf8)),
+          "the xattr on every device")
+      }
+    }
+  }
+
+  /// Devices a and b share f; b changes it in the cloud (`onB`, an edit by default), then a
+  /// edits it: a's next upload meets b's version and merges. a reaches the cloud through the
+  /// returned `FlakyCloud`.
+  static func mergeRace(
+    onB: (CoreWorld) throws -> Void = { try $0.writeFile("f", Data("from b\n".utf8)) }
+  ) throws -> (a: CoreWorld, b: CoreWorld, hooked: FlakyCloud) {
+    let (_, b, cloud) = try CoreWorld.pair()
+    let hooked = FlakyCloud(cloud)
+    let a = try CoreWorld(cloud: hooked)
+    try a.writeFile("f", Data("v1\n".utf8))
+    try a.drainUploads()
+    try b.pull()
+    try onB(b)
+    try b.drainUploads()
+    try a.writeFile("f", Data("from a\n".utf8))
+    return (a, b, hooked)
+  }
+
+  /// Runs `body` once, before the write that follows a commit refused as a conflict (the
+  /// merge's commit); the box says whether it ran.
+  static func beforeTheMergesCommit(_ hooked: FlakyCloud, _ body: @escaping () throws -> Void) -> LockedBox<Bool> {
+    let ran = LockedBox<Bool>()
+    hooked.beforeWrite = { _ in
+      guard hooked.trace.last?.contains("conflict") == true, ran.get() != true else { return }
+      ran.set(true)
+      try body()
+    }
+    return ran
   }
 
   /// Device a edits f while device b's edit is in the cloud: a's commit meets it and a merges.
@@ -2313,46 +2371,13 @@ final class SyncSimulation {
   @Test(arguments: ChangeDuringMerge.allCases)
   func aChangeMadeWhileAMergeIsCommittedStays(_ change: ChangeDuringMerge) async throws {
     try await onOwnThread {
-      let (_, b, cloud) = try CoreWorld.pair()
-      let hooked = FlakyCloud(cloud)
-      let a = try CoreWorld(cloud: hooked)
-      try a.writeFile("f", Data("v1\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      try b.writeFile("f", Data("from b\n".utf8))
-      try b.drainUploads()
-      try a.writeFile("f", Data("from a\n".utf8))
-      let changed = LockedBox<Bool>()
-      hooked.beforeWrite = { _ in
-        guard hooked.trace.last?.contains("conflict") == true, changed.get() != true else { return }
-        changed.set(true)
-        switch change {
-        case .rename:
-          try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
-        case .chmod:
-          _ = try a.core.setattr(try a.inode("f")!, AttributeUpdate(mode: 0o600))
-        case .setxattr:
-          try a.core.setxattr(try a.inode("f")!, name: "user.tag", value: Data("red".utf8), flags: [])
-        }
-      }
+      let (a, b, hooked) = try Self.mergeRace()
+      let changed = Self.beforeTheMergesCommit(hooked) { try change.make(on: a) }
       try a.drainUploads()
       hooked.beforeWrite = nil
       #expect(changed.get() == true, "\(hooked.trace)")
       try Self.settle(a, b)
-      let name = change == .rename ? "g" : "f"
-      for w in [a, b] {
-        let inode = try #require(try w.inode(name), "\(name) on both devices")
-        switch change {
-        case .rename:
-          #expect(try w.inode("f") == nil, "f renamed on both devices")
-        case .chmod:
-          #expect(try w.core.getattr(inode).mode == 0o600, "the new mode on both devices")
-        case .setxattr:
-          #expect(
-            try w.core.getxattr(inode, name: "user.tag", size: 64) == .value(Data("red".utf8)),
-            "the xattr on both devices")
-        }
-      }
+      for w in [a, b] { try change.expectShown(on: w) }
     }
   }
 
@@ -2363,54 +2388,25 @@ final class SyncSimulation {
   @Test(arguments: ChangeDuringMerge.allCases)
   func aChangeKeptOverAMergeSurvivesTheNextMerge(_ change: ChangeDuringMerge) async throws {
     try await onOwnThread {
-      let (_, b, cloud) = try CoreWorld.pair()
-      let hooked = FlakyCloud(cloud)
-      let a = try CoreWorld(cloud: hooked)
-      try a.writeFile("f", Data("v1\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      try b.writeFile("f", Data("from b\n".utf8))
-      try b.drainUploads()
-      try a.writeFile("f", Data("from a\n".utf8))
-      let changed = LockedBox<Bool>()
+      let (a, b, hooked) = try Self.mergeRace()
+      let changed = Self.beforeTheMergesCommit(hooked) { try change.make(on: a) }
       let editedAgain = LockedBox<Bool>()
-      hooked.beforeWrite = { _ in
-        if changed.get() == true {
-          guard editedAgain.get() != true else { return }
-          editedAgain.set(true)
-          try b.writeFile("f", Data("from b again\n".utf8))
-          try b.drainUploads()
+      let merging = hooked.beforeWrite
+      hooked.beforeWrite = { n in
+        if changed.get() != true {
+          try merging?(n)
           return
         }
-        guard hooked.trace.last?.contains("conflict") == true else { return }
-        changed.set(true)
-        switch change {
-        case .rename:
-          try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
-        case .chmod:
-          _ = try a.core.setattr(try a.inode("f")!, AttributeUpdate(mode: 0o600))
-        case .setxattr:
-          try a.core.setxattr(try a.inode("f")!, name: "user.tag", value: Data("red".utf8), flags: [])
-        }
+        guard editedAgain.get() != true else { return }
+        editedAgain.set(true)
+        try b.writeFile("f", Data("from b again\n".utf8))
+        try b.drainUploads()
       }
       try a.drainUploads()
       hooked.beforeWrite = nil
       #expect(editedAgain.get() == true, "\(hooked.trace)")
       try Self.settle(a, b)
-      let name = change == .rename ? "g" : "f"
-      for w in [a, b] {
-        let inode = try #require(try w.inode(name), "\(name) on both devices")
-        switch change {
-        case .rename:
-          #expect(try w.inode("f") == nil, "f renamed on both devices")
-        case .chmod:
-          #expect(try w.core.getattr(inode).mode == 0o600, "the new mode on both devices")
-        case .setxattr:
-          #expect(
-            try w.core.getxattr(inode, name: "user.tag", size: 64) == .value(Data("red".utf8)),
-            "the xattr on both devices")
-        }
-      }
+      for w in [a, b] { try change.expectShown(on: w) }
     }
   }
 
@@ -2419,19 +2415,8 @@ final class SyncSimulation {
   /// name f is not applied here first (it would make the new f yield as "f 2").
   @Test func aRenameDuringAMergeLeavesTheOldNameToANewFile() async throws {
     try await onOwnThread {
-      let (_, b, cloud) = try CoreWorld.pair()
-      let hooked = FlakyCloud(cloud)
-      let a = try CoreWorld(cloud: hooked)
-      try a.writeFile("f", Data("v1\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      try b.writeFile("f", Data("from b\n".utf8))
-      try b.drainUploads()
-      try a.writeFile("f", Data("from a\n".utf8))
-      let changed = LockedBox<Bool>()
-      hooked.beforeWrite = { _ in
-        guard hooked.trace.last?.contains("conflict") == true, changed.get() != true else { return }
-        changed.set(true)
+      let (a, b, hooked) = try Self.mergeRace()
+      let changed = Self.beforeTheMergesCommit(hooked) {
         try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "g", flags: [])
         try a.writeFile("f", Data("new f\n".utf8))
       }
@@ -2452,18 +2437,11 @@ final class SyncSimulation {
   /// save's mtime stays (the merge does not put the snapshot's back), and the new bytes reach b.
   @Test func aSaveMadeWhileAMergeKeepingTheContentIsCommittedKeepsItsTime() async throws {
     try await onOwnThread {
-      let (_, b, cloud) = try CoreWorld.pair()
-      let hooked = FlakyCloud(cloud)
-      let a = try CoreWorld(cloud: hooked)
-      try a.writeFile("f", Data("v1\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      _ = try b.core.setattr(try b.inode("f")!, AttributeUpdate(mode: 0o640))
-      try b.drainUploads()
-      try a.writeFile("f", Data("from a\n".utf8))
+      let (a, b, hooked) = try Self.mergeRace(onB: {
+        _ = try $0.core.setattr(try $0.inode("f")!, AttributeUpdate(mode: 0o640))
+      })
       let savedAt = LockedBox<Int64>()
-      hooked.beforeWrite = { _ in
-        guard hooked.trace.last?.contains("conflict") == true, savedAt.get() == nil else { return }
+      _ = Self.beforeTheMergesCommit(hooked) {
         Thread.sleep(forTimeInterval: 0.01)
         let inode = try a.writeFile("f", Data("FROM A\n".utf8))
         savedAt.set(try a.core.getattr(inode).mtimeNs)
