@@ -585,6 +585,14 @@ final class SyncSimulation {
   /// The user steps that made or changed each item (content, name, place, mode, or an item
   /// added below a folder), by device and step.
   var changes: [String: [(device: Int, step: Int)]] = [:]
+  /// The last mode a user set on each item (chmod), and every device that set one. An item only
+  /// one device changed the mode of, that kept its identity (no file renamed over it, no
+  /// exchange) and that no one removed, ends with that mode if it is live.
+  var modesSet: [String: (device: Int, mode: UInt32, step: Int)] = [:]
+  var modeSetters: [String: Set<Int>] = [:]
+  /// Items whose identity passed to another file (renamed over, exchanged): their mode is the
+  /// other file's from then on.
+  var identityPassed: Set<String> = []
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -741,6 +749,7 @@ final class SyncSimulation {
           try w.core.lookup(parent: parent, name: name), try w.core.lookup(parent: newParent, name: newName),
         ]
         let ids = try before.map { a in try a.flatMap { try w.index.item($0.inode)?.itemID } }
+        identityPassed.formUnion(ids.compactMap { $0 })
         try w.core.rename(parent: parent, name: name, newParent: newParent, newName: newName, flags: .exchange)
         // Two files swap names and, with the names, cloud identities: the bytes this device has
         // of each (its own writes, or others' it has seen) now belong to the other identity.
@@ -763,7 +772,12 @@ final class SyncSimulation {
     case "chmod":
       attempt {
         guard let inode = try w.inode(s.p) else { throw UbiqError.notFound(s.p) }
-        _ = try w.core.setattr(inode, AttributeUpdate(mode: s.n % 2 == 0 ? 0o600 : 0o644))
+        let mode: UInt32 = s.n % 2 == 0 ? 0o600 : 0o644
+        _ = try w.core.setattr(inode, AttributeUpdate(mode: mode))
+        if let id = try w.index.item(inode)?.itemID {
+          modesSet[id] = (d, mode, step)
+          modeSetters[id, default: []].insert(d)
+        }
       }
     case "upload":
       try upload(d)
@@ -910,6 +924,7 @@ final class SyncSimulation {
     let old = try w.core.lookup(parent: parent, name: name)
     let dropped = try old.flatMap { $0.inode == unless ? nil : try itemIDs(d, try subtree(d, $0.inode)) } ?? []
     try body()
+    identityPassed.formUnion(dropped)
     supersede(d, itemIDs: dropped)
   }
 
@@ -1171,8 +1186,9 @@ final class SyncSimulation {
     return false
   }
 
-  /// What a device shows: path -> "dir" or the SHA-256 of the file's bytes; plus every hash its
-  /// items keep (current content and conflict versions), and how many index rows nothing reaches.
+  /// What a device shows: path -> "dir" or the SHA-256 of the file's bytes, and the mode in
+  /// octal ("dir 755"); plus every hash its items keep (current content and conflict versions),
+  /// and how many index rows nothing reaches.
   func view(_ d: Int) throws -> (tree: [String: String], hashes: Set<String>, unreachable: Int) {
     let w = devices[d]
     var tree: [String: String] = [:]
@@ -1187,13 +1203,14 @@ final class SyncSimulation {
       for e in entries where e.name != "." && e.name != ".." {
         reached += 1
         let path = prefix.isEmpty ? e.name : prefix + "/" + e.name
+        let mode = String(e.attributes.mode & 0o7777, radix: 8)
         if e.attributes.kind == .directory {
-          tree[path] = "dir"
+          tree[path] = "dir \(mode)"
           try walk(e.attributes.inode, path)
         } else {
           let bytes = try w.readFile(path)
           let hash = Chunker.sha256Hex(bytes)
-          tree[path] = hash
+          tree[path] = "\(hash) \(mode)"
           hashes.insert(hash)
           for v in try w.index.item(e.attributes.inode)?.conflictList ?? [] {
             for c in v.chunks { hashes.insert(c.hash) }
@@ -1223,7 +1240,8 @@ final class SyncSimulation {
     return live
   }
 
-  /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content.
+  /// What the cloud shows below Documents: path -> "dir" or the SHA-256 of the content, and the
+  /// mode in octal, as `view` gives a device's.
   /// `live`: the cloud's live records, when read already.
   func cloudTree(_ live: [String: CloudItem]? = nil) throws -> (tree: [String: String], orphans: Int, ids: Set<String>)
   {
@@ -1247,12 +1265,13 @@ final class SyncSimulation {
         orphans += 1
         continue
       }
+      let mode = String(item.mode & 0o7777, radix: 8)
       if item.kind == .directory {
-        tree[parts.joined(separator: "/")] = "dir"
+        tree[parts.joined(separator: "/")] = "dir \(mode)"
       } else {
         var bytes = Data()
         for c in item.chunks { bytes += try runBlocking { try await shared.getChunk(hash: c.hash, range: nil) } }
-        tree[parts.joined(separator: "/")] = Chunker.sha256Hex(bytes)
+        tree[parts.joined(separator: "/")] = "\(Chunker.sha256Hex(bytes)) \(mode)"
       }
     }
     return (tree, orphans, ids)
@@ -1287,6 +1306,15 @@ final class SyncSimulation {
     check(cloud.tree == views[0].tree, "the cloud differs from device 0:\n\(diff(cloud.tree, views[0].tree))")
     for w in writes where !w.superseded {
       check(views[0].hashes.contains(w.hash), "lost: \(String(decoding: w.data, as: UTF8.self)) (item \(w.itemID))")
+    }
+    for (id, set) in modesSet.sorted(by: { $0.key < $1.key })
+    where modeSetters[id]?.count == 1 && !identityPassed.contains(id) && deletions[id] == nil {
+      guard let record = records[id] else { continue }
+      Self.stats["modes checked", default: 0] += 1
+      check(
+        record.mode & 0o7777 == set.mode,
+        "item \(id) (\(record.name)): mode \(String(set.mode, radix: 8)) set by device \(set.device) at step "
+          + "\(set.step), and by no other device, is \(String(record.mode & 0o7777, radix: 8)) in the cloud")
     }
     let live = try devices.indices.map { Set(try localItems($0).keys) }
     let childrenInCloud = Self.children(records.mapValues { $0.parentID })
