@@ -1040,23 +1040,26 @@ final class SyncSimulation {
   }
 
   /// Device `d`'s items as its index has them: item id -> local revision and parent's item id.
-  func localItems(_ d: Int) throws -> [String: (revision: Int64, parent: String?)] {
+  func localItems(_ d: Int) throws -> [String: (revision: Int64, row: Int64, parent: String?)] {
     let rows = try devices[d].index.pool.read { db in
       try Row.fetchAll(
-        db, sql: "SELECT i.itemID, i.revision, p.itemID AS parentID FROM items i LEFT JOIN items p ON p.id = i.parent")
+        db,
+        sql: "SELECT i.itemID, i.revision, i.id, p.itemID AS parentID FROM items i LEFT JOIN items p ON p.id = i.parent"
+      )
     }
-    var items: [String: (revision: Int64, parent: String?)] = [:]
-    for row in rows { items[row["itemID"]] = (row["revision"], row["parentID"]) }
+    var items: [String: (revision: Int64, row: Int64, parent: String?)] = [:]
+    for row in rows { items[row["itemID"]] = (row["revision"], row["id"], row["parentID"]) }
     return items
   }
 
   /// Notes what a user's step on device `d` meant: the items it removed (deleted, or replaced
   /// by a rename over them; `seenAll` says which of them `d` had seen every change of) are
-  /// meant to stay deleted; the items it made or changed (new, a new revision), and every
-  /// folder above them, are changed by `d`.
+  /// meant to stay deleted; the items it made or changed (new, a new revision, or a new row: a
+  /// file renamed over the item took over its identity), and every folder above them, are
+  /// changed by `d`.
   func noteIntent(
-    of d: Int, before: [String: (revision: Int64, parent: String?)],
-    after: [String: (revision: Int64, parent: String?)],
+    of d: Int, before: [String: (revision: Int64, row: Int64, parent: String?)],
+    after: [String: (revision: Int64, row: Int64, parent: String?)],
     seenAll: ((String) -> Bool)?
   ) throws {
     if let seenAll {
@@ -1066,7 +1069,7 @@ final class SyncSimulation {
         if seen { Self.stats["removals after seeing every change", default: 0] += 1 }
       }
     }
-    for (id, now) in after where before[id]?.revision != now.revision {
+    for (id, now) in after where before[id]?.revision != now.revision || before[id]?.row != now.row {
       var cur: String? = id
       var depth = 0
       while let c = cur, c != WellKnownItem.documents, depth < 64 {
@@ -1427,6 +1430,10 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 0 saves e atomically again while device 2 removes it: the new file takes over e's
+    // identity (with the revision the old row had) and is a change of e that device 2 had not
+    // seen, so e comes back (an edit wins over a delete), as the rules say.
+    [(0, 1, 3, 0, 0), (0, 6, 0, 1, 0), (2, 8, 0, 0, 0), (2, 2, 3, 0, 0), (0, 1, 3, 0, 0)],
     // Device 0 edits f; the commit is held back in the network and arrives after the client
     // gave up; then f is deleted here. The delete meets device 0's own newer version, which the
     // user deleted knowingly: f must stay deleted (found by the zombie check of the simulation).
