@@ -102,15 +102,10 @@ extension IndexStore {
     let parentID = try row.parent.flatMap {
       try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [$0])
     }
-    var x: [String: Data] = [:]
-    for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
-      x[r["name"]] = r["value"]
-    }
+    let x = try Self.xattrs(db, of: inode)
     let unsynced =
       try Bool.fetchOne(db.cached("SELECT 1 FROM unsyncedContent WHERE item = ?"), arguments: [inode]) ?? false
-    let automatic =
-      try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
-      == row.revision
+    let automatic = try Self.isAutomaticRename(db, inode, revision: row.revision)
     return UploadSnapshot(
       row: row, parentItemID: parentID, xattrs: x, contentUnsynced: unsynced, automaticRename: automatic)
   }

@@ -448,6 +448,13 @@ extension IndexStore {
     ).execute(arguments: [id])
   }
 
+  /// Whether revision `revision` of item `inode` only gives the cloud a name this device's sync
+  /// chose, with every change before it in the cloud or such a name too (`noteAutomaticRename`).
+  static func isAutomaticRename(_ db: Database, _ inode: Int64, revision: Int64) throws -> Bool {
+    try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
+      == revision
+  }
+
   /// What a commit that met its item's tombstone does (`yieldToDelete`).
   public enum DeleteVerdict: Sendable {
     /// The item went here too.
@@ -471,8 +478,7 @@ extension IndexStore {
     return try write { db in
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]),
         row.itemID == tombstone.itemID,
-        try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
-          == row.revision,
+        try Self.isAutomaticRename(db, inode, revision: row.revision),
         try Bool.fetchOne(db.cached("SELECT 1 FROM dirtyContent WHERE item = ?"), arguments: [inode]) != true
       else { return .changedHere }
       if try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE parent = ? LIMIT 1"), arguments: [inode]) == true {
@@ -524,12 +530,9 @@ extension IndexStore {
       var adopted = merged
       // A place the user chose: not a temporary name a pull parked the item under, nor a name
       // this device's sync chose to settle a collision (the merged record settles it again).
-      let automatic =
-        try Int64.fetchOne(db.cached("SELECT revision FROM automaticRenames WHERE item = ?"), arguments: [inode])
-        == row.revision
       let movedHere =
-        changedHere && (row.parent != before.parent || row.name != before.name)
-        && row.name != Self.parkedName(row.itemID) && !automatic
+        try changedHere && (row.parent != before.parent || row.name != before.name)
+        && row.name != Self.parkedName(row.itemID) && !Self.isAutomaticRename(db, inode, revision: row.revision)
       if keepingPlace || movedHere, let parent = row.parent,
         let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
       {
@@ -538,10 +541,7 @@ extension IndexStore {
       }
       if changedHere && row.mode != before.mode { adopted.mode = row.mode }
       if changedHere {
-        var xattrsHere: [String: Data] = [:]
-        for r in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
-          xattrsHere[r["name"]] = r["value"]
-        }
+        let xattrsHere = try Self.xattrs(db, of: inode)
         for key in Set(xattrsHere.keys).union(snapshot.xattrs.keys) where xattrsHere[key] != snapshot.xattrs[key] {
           adopted.xattrs[key] = xattrsHere[key]
         }

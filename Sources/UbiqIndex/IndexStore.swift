@@ -931,13 +931,16 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func allXattrs(_ inode: Int64) throws -> [String: Data] {
-    try readOne { db in
-      var out: [String: Data] = [:]
-      for row in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
-        out[row["name"]] = row["value"]
-      }
-      return out
+    try readOne { db in try Self.xattrs(db, of: inode) }
+  }
+
+  /// The extended attributes stored for item `inode`.
+  static func xattrs(_ db: Database, of inode: Int64) throws -> [String: Data] {
+    var out: [String: Data] = [:]
+    for row in try Row.fetchAll(db.cached("SELECT name, value FROM xattrs WHERE item = ?"), arguments: [inode]) {
+      out[row["name"]] = row["value"]
     }
+    return out
   }
 
   public enum XattrMode: Sendable { case any, create, replace }

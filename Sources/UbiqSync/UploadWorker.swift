@@ -583,8 +583,9 @@ public final class UploadWorker: @unchecked Sendable {
         // at most a few times. Only if it is where and as the user saw the item: a merge this
         // device committed may carry another device's rename or mode change, which wins over
         // the delete. Nor does a version that differs from the deleted one only by a name
-        // another device's sync chose (`settledNameOf`); the same bound covers both.
-        var ownNewerVersions = 0
+        // another device's sync chose (`settledNameOf`): no user's change. As for any delete,
+        // other devices' unresolved conflict versions of the file are kept.
+        var newerVersionsPassed = 0
         while let ifMatch = etag, restoring == nil, tombstone == nil {
           do {
             tombstone = try await cloud.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
@@ -598,23 +599,15 @@ public final class UploadWorker: @unchecked Sendable {
               tombstone = current.changeSeq
               break
             }
-            // The version deleted here, renamed only by another device's sync to settle a name
-            // collision: no user's change, so the delete goes on, on that version. As for any
-            // delete, other devices' unresolved conflict versions of the file are kept.
-            if current.settledNameOf == ifMatch && ownNewerVersions < 3 {
-              ownNewerVersions += 1
-              log.info("delete of \(itemID) meets a name settled elsewhere (etag \(current.etag)); deleting that")
-              if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
-                restoring = try await keepOthersVersions(kept, of: current)
-              } else {
-                etag = current.etag
+            let settledElsewhere = current.settledNameOf == ifMatch
+            let ownAsSeen =
+              current.deviceID == deviceID && current.contentAuthor == deviceID
+              && entry.deletedPlace?.matches(current) == true
+            if (settledElsewhere || ownAsSeen) && newerVersionsPassed < 3 {
+              newerVersionsPassed += 1
+              if settledElsewhere {
+                log.info("delete of \(itemID) meets a name settled elsewhere (etag \(current.etag)); deleting that")
               }
-              continue
-            }
-            if current.deviceID == deviceID && current.contentAuthor == deviceID
-              && entry.deletedPlace?.matches(current) == true && ownNewerVersions < 3
-            {
-              ownNewerVersions += 1
               if let kept = ConflictMerge.keepingOthersVersions(of: current, deletedBy: deviceID) {
                 restoring = try await keepOthersVersions(kept, of: current)
               } else {

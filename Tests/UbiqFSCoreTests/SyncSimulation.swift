@@ -1787,12 +1787,13 @@ final class SyncSimulation {
   }
 
   /// Two devices exchange everything until both are quiet: each pulls, each uploads, twice.
-  static func settle(_ a: CoreWorld, _ b: CoreWorld) throws {
+  static func settle(_ a: CoreWorld, _ b: CoreWorld) throws { try settle([a, b]) }
+
+  /// Every device pulls, then every device uploads; twice.
+  static func settle(_ devices: [CoreWorld]) throws {
     for _ in 0..<2 {
-      try a.pull()
-      try b.pull()
-      try a.drainUploads()
-      try b.drainUploads()
+      for w in devices { try w.pull() }
+      for w in devices { try w.drainUploads() }
     }
   }
 
@@ -2142,12 +2143,7 @@ final class SyncSimulation {
     }
 
     /// Every device pulls, then every device uploads; twice.
-    func settle() throws {
-      for _ in 0..<2 {
-        for w in devices { try w.pull() }
-        for w in devices { try w.drainUploads() }
-      }
-    }
+    func settle() throws { try SyncSimulationTests.settle(devices) }
   }
 
   /// A name settled by sync does not win over a delete made elsewhere, in either order: here the
