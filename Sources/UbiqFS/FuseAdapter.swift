@@ -1,6 +1,7 @@
 import CFuse3
 import Foundation
 import Logging
+import Synchronization
 import UbiqCore
 import UbiqFSCore
 import UbiqIndex
@@ -11,11 +12,17 @@ import UbiqIndex
 
 /// The FUSE low-level callbacks of one mount, over a `FilesystemCore`: decodes the kernel's
 /// arguments, calls the core, and replies exactly once (the result, or the error's errno).
-/// Owns nothing but the conversion between C and the core's types.
-/// Sendable: holds only immutable references.
+/// Owns nothing but the conversion between C and the core's types, and what the kernel agreed
+/// to at `init`.
+/// Sendable: immutable references, and one atomic flag.
 final class FuseAdapter: @unchecked Sendable {
   let core: FilesystemCore
   let log: Logger
+  /// The kernel opens and releases directories itself (`FUSE_CAP_NO_OPENDIR_SUPPORT`): the
+  /// first opendir is answered ENOSYS, which the kernel takes as success, and no opendir or
+  /// releasedir is sent again; it caches listings as with `cache_readdir` and `keep_cache`.
+  /// Set by the session's `init`, before any other request.
+  let kernelOpensDirectories = Atomic<Bool>(false)
   var options: MountOptions { core.options }
 
   init(core: FilesystemCore, logger: Logger) {
@@ -258,9 +265,17 @@ final class FuseAdapter: @unchecked Sendable {
 
   /// Lets the kernel cache the listing (and keep it across opens): local changes go through the
   /// kernel, which drops it itself; remote ones drop it with an inode invalidation of the parent.
+  /// Where the kernel can open directories itself, the first opendir hands that over: listing
+  /// a folder then costs no request but its readdir (none while its listing is cached), which
+  /// is what `git status`, `find` and `rm -rf` do for every folder. Nothing here depends on a
+  /// directory handle: readdir's cursor is its offset, fsyncdir syncs the whole index.
   func opendir(_ req: fuse_req_t?, _ ino: fuse_ino_t, _ fi: UnsafeMutablePointer<fuse_file_info>?) {
     run(req) {
       try core.opendir(Int64(ino))
+      if kernelOpensDirectories.load(ordering: .acquiring) {
+        _ = fuse_reply_err(req, ENOSYS)
+        return
+      }
       if let fi {
         ubiq_fi_set_cache_readdir(fi, 1)
         ubiq_fi_set_keep_cache(fi, 1)
@@ -361,13 +376,21 @@ final class FuseAdapter: @unchecked Sendable {
     }
   }
 
+  /// The request's data goes from wherever libfuse holds it (memory, or the pipe it spliced the
+  /// request into) to the cache file, with no copy through a buffer of ours.
   func write(
-    _ req: fuse_req_t?, _ buf: UnsafePointer<CChar>?, _ size: Int, _ off: off_t,
+    _ req: fuse_req_t?, _ data: UnsafeMutablePointer<fuse_bufvec>?, _ off: off_t,
     _ fi: UnsafeMutablePointer<fuse_file_info>?
   ) {
-    guard let fh = fi?.pointee.fh else { return reply(req, error: UbiqError.invalidArgument("no handle")) }
+    guard let fh = fi?.pointee.fh, let data else {
+      return reply(req, error: UbiqError.invalidArgument("no handle"))
+    }
     run(req) {
-      let n = try core.write(fh, UnsafeRawBufferPointer(start: buf, count: size), offset: Int64(off))
+      let n = try core.write(fh, count: ubiq_buf_size(data), offset: Int64(off)) { fd in
+        let copied = ubiq_write_buf_to_fd(data, fd, off)
+        if copied < 0 { throw UbiqError.posix(Int32(-copied), "write") }
+        return copied
+      }
       _ = fuse_reply_write(req, n)
     }
   }

@@ -111,6 +111,10 @@ public final class FuseSession: @unchecked Sendable {
         // O_TRUNC arrives with open: truncating an evicted file needs no download.
         | FUSE_CAP_ATOMIC_O_TRUNC
       conn.pointee.want |= UInt32(want) & conn.pointee.capable
+      if conn.pointee.capable & UInt32(FUSE_CAP_NO_OPENDIR_SUPPORT) != 0, let userdata {
+        Unmanaged<FuseAdapter>.fromOpaque(userdata).takeUnretainedValue().kernelOpensDirectories.store(
+          true, ordering: .releasing)
+      }
       conn.pointee.max_write = 1 << 20
       conn.pointee.max_readahead = 1 << 20
       conn.pointee.max_background = 64
@@ -136,7 +140,7 @@ public final class FuseSession: @unchecked Sendable {
     ops.link = { req, _, _, _ in fsOf(req).link(req) }
     ops.open = { req, ino, fi in fsOf(req).open(req, ino, fi) }
     ops.read = { req, _, size, off, fi in fsOf(req).read(req, size, off, fi) }
-    ops.write = { req, _, buf, size, off, fi in fsOf(req).write(req, buf, size, off, fi) }
+    ops.write_buf = { req, _, data, off, fi in fsOf(req).write(req, data, off, fi) }
     ops.flush = { req, _, fi in fsOf(req).flush(req, fi) }
     ops.release = { req, _, fi in fsOf(req).release(req, fi) }
     ops.fsync = { req, _, datasync, fi in fsOf(req).fsync(req, datasync, fi) }

@@ -570,12 +570,7 @@ public final class FilesystemCore: @unchecked Sendable {
   }
 
   public func write(_ handle: UInt64, _ bytes: UnsafeRawBufferPointer, offset: Int64) throws -> Int {
-    let f = try openHandle(handle)
-    let (end, overflow) = offset.addingReportingOverflow(Int64(bytes.count))
-    guard offset >= 0, !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("write past 16 TiB") }
-    return try f.withWrite {
-      try beginWrite(f)
-      let fd = try descriptor(f)
+    try write(handle, count: bytes.count, offset: offset) { fd in
       var done = 0
       while done < bytes.count {
         let n = pwrite(fd, bytes.baseAddress! + done, bytes.count - done, off_t(offset) + off_t(done))
@@ -585,6 +580,25 @@ public final class FilesystemCore: @unchecked Sendable {
         }
         done += n
       }
+      return done
+    }
+  }
+
+  /// Writes `count` bytes at `offset` through the handle: `copy` puts them into the cache file
+  /// whose descriptor it is given, at `offset`, and returns how many it wrote (fewer only when
+  /// the disk refused the rest). The FUSE adapter copies straight from the pipe the kernel's
+  /// request was spliced into.
+  public func write(
+    _ handle: UInt64, count: Int, offset: Int64, copy: (_ fd: Int32) throws -> Int
+  ) throws -> Int {
+    let f = try openHandle(handle)
+    let (end, overflow) = offset.addingReportingOverflow(Int64(count))
+    guard offset >= 0, count >= 0, !overflow, end <= Self.maxFileSize else {
+      throw UbiqError.fileTooLarge("write past 16 TiB")
+    }
+    return try f.withWrite {
+      try beginWrite(f)
+      let done = try copy(try descriptor(f))
       inodes.noteWritten(f.inode, mtimeNs: self.index.clock.nowNs())
       return done
     }
