@@ -75,8 +75,8 @@ def mounted(path: Path) -> bool:
     return any(line.split()[1] == str(path) for line in Path("/proc/mounts").read_text().splitlines())
 
 
-def remove_tree(path: Path, tries=60):
-    """rm -rf, retried for up to ~30 s: rclone answers EIO to rmdir while its write-back of the
+def remove_tree(path: Path, tries=600):
+    """rm -rf, retried for up to ~5 min: rclone answers EIO to rmdir while its write-back of the
     folder's files is still going on."""
     for _ in range(tries):
         if subprocess.run(["rm", "-rf", str(path)], capture_output=True).returncode == 0 and not path.exists():
