@@ -2063,11 +2063,6 @@ final class SyncSimulation {
     }
   }
 
-  /// A page of the feed read before this device's delete of an item is done in the cloud, and
-  /// applied after it, does not bring the item back. rsync twice: the second run renames its
-  /// new version over the first while the first one's commit is on its way (so the first is
-  /// deleted, not continued); the page the pull reads then holds the first one, live, and its
-  /// delete is done while the pull waits for the page.
   /// Device b renames f to g; device a, which has not seen it, edits f: its commit meets the
   /// rename and is merged (name g, a's bytes), and the merge's answer is lost. The user then
   /// deletes f on a. The delete meets a version written by a with a's content, but it carries
@@ -2517,6 +2512,11 @@ final class SyncSimulation {
     }
   }
 
+  /// A page of the feed read before this device's delete of an item is done in the cloud, and
+  /// applied after it, does not bring the item back. rsync twice: the second run renames its
+  /// new version over the first while the first one's commit is on its way (so the first is
+  /// deleted, not continued); the page the pull reads then holds the first one, live, and its
+  /// delete is done while the pull waits for the page.
   @Test func aRecordReadBeforeThisDevicesDeleteDoesNotBringTheItemBack() async throws {
     try await onOwnThread {
       let cloud = GatedCloud()
