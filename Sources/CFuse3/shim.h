@@ -27,18 +27,16 @@ static inline int ubiq_reply_fd(fuse_req_t req, int fd, size_t size, off_t off) 
   return fuse_reply_data(req, &buf, (enum fuse_buf_copy_flags)0);
 }
 
-/* Copies a write request's data to a cache file descriptor at `off`: from memory, or straight
-   from the pipe libfuse spliced the request into (no copy through user space). Returns the bytes
-   written, or -errno. */
-static inline ssize_t ubiq_write_buf_to_fd(struct fuse_bufvec *src, int fd, off_t off) {
-  struct fuse_bufvec dst = FUSE_BUFVEC_INIT(fuse_buf_size(src));
+/* Copies a write request's `size` bytes of data (`fuse_buf_size(src)`) to a cache file
+   descriptor at `off`: from memory, or straight from the pipe libfuse spliced the request into
+   (no copy through user space). Returns the bytes written, or -errno. */
+static inline ssize_t ubiq_write_buf_to_fd(struct fuse_bufvec *src, size_t size, int fd, off_t off) {
+  struct fuse_bufvec dst = FUSE_BUFVEC_INIT(size);
   dst.buf[0].flags = (enum fuse_buf_flags)(FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK);
   dst.buf[0].fd = fd;
   dst.buf[0].pos = off;
   return fuse_buf_copy(&dst, src, (enum fuse_buf_copy_flags)0);
 }
-
-static inline size_t ubiq_buf_size(const struct fuse_bufvec *bufv) { return fuse_buf_size(bufv); }
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)

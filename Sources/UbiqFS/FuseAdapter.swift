@@ -386,8 +386,9 @@ final class FuseAdapter: @unchecked Sendable {
       return reply(req, error: UbiqError.invalidArgument("no handle"))
     }
     run(req) {
-      let n = try core.write(fh, count: ubiq_buf_size(data), offset: Int64(off)) { fd in
-        let copied = ubiq_write_buf_to_fd(data, fd, off)
+      let size = fuse_buf_size(data)
+      let n = try core.write(fh, count: size, offset: Int64(off)) { fd in
+        let copied = ubiq_write_buf_to_fd(data, size, fd, off)
         if copied < 0 { throw UbiqError.posix(Int32(-copied), "write") }
         return copied
       }
