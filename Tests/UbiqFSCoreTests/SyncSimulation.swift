@@ -554,13 +554,42 @@ struct AcknowledgedWrite {
   var hash: String { Chunker.sha256Hex(data) }
 }
 
+/// Where an item is: its parent's item id and its name.
+struct Place: Hashable {
+  var parent: String?
+  var name: String
+
+  /// Whether `name` is `base`, or a name sync gives an item that yields `base` to another
+  /// ("base 2", "base 3.ext": `ItemName.numbered`), perhaps yielding that one in turn
+  /// ("base 2 2").
+  static func isSettled(_ name: String, from base: String) -> Bool {
+    var name = name
+    while name != base {
+      guard let shorter = unnumbered(name) else { return false }
+      name = shorter
+    }
+    return true
+  }
+
+  /// The name that `ItemName.numbered` made `name` from, if it made it.
+  static func unnumbered(_ name: String) -> String? {
+    var stem = Substring(name)
+    var ext = Substring("")
+    if let dot = name.lastIndex(of: "."), dot != name.startIndex { (stem, ext) = (name[..<dot], name[dot...]) }
+    guard let space = stem.lastIndex(of: " "), let n = Int(stem[stem.index(after: space)...]) else { return nil }
+    let shorter = String(stem[..<space] + ext)
+    return ItemName.numbered(shorter, n) == name && n >= 2 ? shorter : nil
+  }
+}
+
 /// Several devices (each the real core, index, uploader and puller) over one embedded cloud,
 /// driven step by step in one thread, so a sequence of steps replays exactly. Checks at the end,
 /// after everything is healed and quiet, that every device and the cloud show the same tree,
 /// nothing is left queued, no item is unreachable, no write that returned from close and
 /// was not knowingly replaced or deleted by a device that had seen it is lost (it is current
-/// content or a conflict version), and no item a user removed comes back unless another device
-/// changed it.
+/// content or a conflict version), no item a user removed comes back unless another device
+/// changed it, and a mode or a place that only one device gave an item stays (`modesSet`,
+/// `moves`).
 final class SyncSimulation {
   let cloudDir: URL
   let shared: CloudEngine
@@ -593,6 +622,12 @@ final class SyncSimulation {
   /// Items whose identity passed to another file (renamed over, exchanged): their mode is the
   /// other file's from then on.
   var identityPassed: Set<String> = []
+  /// The places users gave each item, in order: every user step that gave it another folder or
+  /// name (rename, move into a folder, exchange, an atomic save whose temporary file was there
+  /// before it), with the device, the step, where the item was and where it went. An item only
+  /// one device moved, that kept its identity and that no one removed, ends where that device
+  /// put it last, but for what the rules change (`checkMoves`).
+  var moves: [String: [(device: Int, step: Int, from: Place, to: Place, isFolder: Bool)]] = [:]
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -680,7 +715,8 @@ final class SyncSimulation {
     let before = try localItems(d)
     let seenBefore = Self.removingKinds.contains(kind) ? try seenEverything(by: d) : nil
     try perform(s, kind, on: d)
-    try noteIntent(of: d, before: before, after: try localItems(d), seenAll: seenBefore)
+    // A restart is no user's move, whatever its recovery does.
+    try noteIntent(of: d, before: before, after: try localItems(d), seenAll: seenBefore, moving: kind != "crash")
   }
 
   /// The user's steps that remove items: those they take away are meant to be deleted.
@@ -1039,16 +1075,26 @@ final class SyncSimulation {
     open[d] = []
   }
 
-  /// Device `d`'s items as its index has them: item id -> local revision and parent's item id.
-  func localItems(_ d: Int) throws -> [String: (revision: Int64, row: Int64, parent: String?)] {
+  /// One item as a device's index has it: its local revision, its row, its place (parent's
+  /// item id and name) and whether it is a folder.
+  typealias LocalItem = (revision: Int64, row: Int64, parent: String?, name: String, isFolder: Bool)
+
+  /// Device `d`'s items as its index has them, by item id.
+  func localItems(_ d: Int) throws -> [String: LocalItem] {
     let rows = try devices[d].index.pool.read { db in
       try Row.fetchAll(
         db,
-        sql: "SELECT i.itemID, i.revision, i.id, p.itemID AS parentID FROM items i LEFT JOIN items p ON p.id = i.parent"
+        sql: """
+          SELECT i.itemID, i.revision, i.id, i.name, i.kind, p.itemID AS parentID
+          FROM items i LEFT JOIN items p ON p.id = i.parent
+          """)
+    }
+    var items: [String: LocalItem] = [:]
+    for row in rows {
+      items[row["itemID"]] = (
+        row["revision"], row["id"], row["parentID"], row["name"], row["kind"] == ItemKind.directory.rawValue
       )
     }
-    var items: [String: (revision: Int64, row: Int64, parent: String?)] = [:]
-    for row in rows { items[row["itemID"]] = (row["revision"], row["id"], row["parentID"]) }
     return items
   }
 
@@ -1056,12 +1102,19 @@ final class SyncSimulation {
   /// by a rename over them; `seenAll` says which of them `d` had seen every change of) are
   /// meant to stay deleted; the items it made or changed (new, a new revision, or a new row: a
   /// file renamed over the item took over its identity), and every folder above them, are
-  /// changed by `d`.
+  /// changed by `d`; with `moving`, the items it gave another place (parent or name) are moved
+  /// there by `d`.
   func noteIntent(
-    of d: Int, before: [String: (revision: Int64, row: Int64, parent: String?)],
-    after: [String: (revision: Int64, row: Int64, parent: String?)],
-    seenAll: ((String) -> Bool)?
+    of d: Int, before: [String: LocalItem], after: [String: LocalItem], seenAll: ((String) -> Bool)?,
+    moving: Bool
   ) throws {
+    if moving {
+      for (id, now) in after.sorted(by: { $0.key < $1.key }) {
+        guard let was = before[id], was.parent != now.parent || was.name != now.name else { continue }
+        moves[id, default: []].append(
+          (d, step, Place(parent: was.parent, name: was.name), Place(parent: now.parent, name: now.name), now.isFolder))
+      }
+    }
     if let seenAll {
       for id in before.keys where after[id] == nil {
         let seen = seenAll(id)
@@ -1323,7 +1376,9 @@ final class SyncSimulation {
         "item \(id) (\(record.name)): mode \(String(set.mode, radix: 8)) set by device \(set.device) at step "
           + "\(set.step), and by no other device, is \(String(record.mode & 0o7777, radix: 8)) in the cloud")
     }
-    let live = try devices.indices.map { Set(try localItems($0).keys) }
+    let itemsOnDevices = try devices.indices.map { try localItems($0) }
+    broken += checkMoves(records: records, itemsOnDevices: itemsOnDevices)
+    let live = itemsOnDevices.map { Set($0.keys) }
     let childrenInCloud = Self.children(records.mapValues { $0.parentID })
     for (id, removals) in deletions.sorted(by: { $0.key < $1.key }) {
       // A change of the item, or of an item below it in the cloud now (added to a folder that
@@ -1348,6 +1403,98 @@ final class SyncSimulation {
     if !broken.isEmpty { throw SimulationFailure(broken: broken, report: report) }
     Self.stats["steps", default: 0] += step
     Self.stats["acknowledged writes checked", default: 0] += writes.filter { !$0.superseded }.count
+  }
+
+  /// How an item's place at the end follows from the moves that one device made of it.
+  enum MoveOutcome {
+    /// Where that device put it last.
+    case kept
+    /// In that folder, under a name sync gave it to settle a collision.
+    case nameSettled
+    /// A folder back where it was before one of those moves: a move that crossed another
+    /// device's folder move (a cycle) was undone.
+    case undone
+  }
+
+  /// The moves users made that the end must show: every item that only one device moved
+  /// (`moves`), that kept its identity (no file renamed over it, no exchange), that no one
+  /// removed, and whose last folder is live, is
+  /// where that device put it last on every device and in the cloud, but for what the rules
+  /// change (`moveOutcome`). The findings, one per item.
+  func checkMoves(records: [String: CloudItem], itemsOnDevices: [[String: LocalItem]]) -> [String] {
+    // The devices that moved a folder into another folder: only those can cross a move.
+    let folderMovers = Set(
+      moves.values.flatMap { $0.filter { $0.isFolder && $0.from.parent != $0.to.parent }.map(\.device) })
+    var broken: [String] = []
+    for (id, made) in moves.sorted(by: { $0.key < $1.key }) {
+      guard let last = made.last, Set(made.map(\.device)).count == 1, !identityPassed.contains(id),
+        deletions[id] == nil, let folder = last.to.parent, folder == WellKnownItem.documents || records[folder] != nil
+      else { continue }
+      Self.stats["renames checked", default: 0] += 1
+      let crossed = !folderMovers.subtracting([last.device]).isEmpty
+      let places =
+        [("the cloud", records[id].map { Place(parent: $0.parentID, name: $0.name) })]
+        + itemsOnDevices.indices.map { d in
+          ("device \(d)", itemsOnDevices[d][id].map { Place(parent: $0.parent, name: $0.name) })
+        }
+      var outcomes: Set<MoveOutcome> = []
+      var wrong: [String] = []
+      for (owner, place) in places {
+        if let place, let outcome = Self.moveOutcome(place, made, crossed: crossed) {
+          outcomes.insert(outcome)
+        } else {
+          wrong.append("\(place.map { describe($0, records) } ?? "gone") on \(owner)")
+        }
+      }
+      if outcomes.contains(.nameSettled) { Self.stats["renames kept under a settled name", default: 0] += 1 }
+      if outcomes.contains(.undone) { Self.stats["folder moves undone as a cycle", default: 0] += 1 }
+      if !wrong.isEmpty {
+        broken.append(
+          "item \(id): moved to \(describe(last.to, records)) by device \(last.device) at step \(last.step), "
+            + "and by no other device, is " + wrong.joined(separator: ", "))
+      }
+    }
+    return broken
+  }
+
+  /// How `place` follows from `made`, one device's moves of an item in order (`crossed`:
+  /// another device moved a folder into another folder); nil if no rule explains it.
+  static func moveOutcome(
+    _ place: Place, _ made: [(device: Int, step: Int, from: Place, to: Place, isFolder: Bool)], crossed: Bool
+  ) -> MoveOutcome? {
+    guard let last = made.last else { return nil }
+    if place == last.to { return .kept }
+    // Two items wanted one name: the one that reached the cloud later yields, in that folder.
+    if place.parent == last.to.parent && Place.isSettled(place.name, from: last.to.name) { return .nameSettled }
+    // A folder move that closes a loop with another device's move, which the cloud took first,
+    // is undone (with any other move of this device that undoing it needs first): the folder
+    // goes back where the cloud has it, under a free name if that one is taken here. As only
+    // this device moved it, the cloud has it where it was before these moves, or where one of
+    // them put it (uploaded before the crossing one), perhaps under a settled name.
+    if last.isFolder && crossed,
+      made.contains(where: { $0.from.parent == place.parent && Place.isSettled(place.name, from: $0.from.name) })
+        || made.contains(where: { $0.to.parent == place.parent && Place.isSettled(place.name, from: $0.to.name) })
+    {
+      return .undone
+    }
+    return nil
+  }
+
+  /// `place` as a path in the cloud's tree (`records`), with the folder's id if it is not there.
+  func describe(_ place: Place, _ records: [String: CloudItem]) -> String {
+    var parts = [place.name]
+    var cur = place.parent
+    var depth = 0
+    while let c = cur, c != WellKnownItem.documents, depth < 64 {
+      guard let p = records[c] else {
+        parts.insert("(folder \(c), not in the cloud)", at: 0)
+        break
+      }
+      parts.insert(p.name, at: 0)
+      cur = p.parentID
+      depth += 1
+    }
+    return parts.joined(separator: "/")
   }
 
   /// What a run did, to compare two runs of one sequence: each device's requests (item ids,
@@ -1430,6 +1577,14 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 0's upload of f meets device 1's edit and merges; while the merged version is
+    // committed, the user renames f to g on device 0. The rename is newer than the merge: f
+    // ends as g on every device (the rename check of the simulation; where the merge's
+    // adoption puts the item back at the merged record's name, every device agrees on f).
+    [
+      (0, 0, 0, 0, 0), (0, 6, 0, 1, 0), (1, 8, 0, 0, 0), (1, 0, 0, 0, 1), (1, 6, 0, 0, 1), (0, 0, 0, 0, 1),
+      (0, 23, 0, 1, 7),
+    ],
     // Device 0 saves e atomically again while device 2 removes it: the new file takes over e's
     // identity (with the revision the old row had) and is a change of e that device 2 had not
     // seen, so e comes back (an edit wins over a delete), as the rules say.
