@@ -46,8 +46,12 @@ public enum ConflictMerge {
     out.settledNameOf = nil
     // The content stays the cloud's, and its author with it, unless the local side's is taken.
     out.setWriter(deviceID, contentAuthor: server.contentAuthor)
+    // A place that differs from the base only by a name this device's sync chose
+    // (`settledNameOf`) is no user's change: a place changed in the cloud wins over it. Where
+    // the cloud's place did not change, the settled name stays: it settles a name collision.
     let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
-    if placeChanged {
+    let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
+    if placeChanged && !(local.settledNameOf != nil && serverPlaceChanged) {
       out.parentID = local.parentID
       out.name = local.name
     }

@@ -58,6 +58,39 @@ import UbiqCore
     #expect(retried.conflicts?.count == 1)
   }
 
+  /// A name this device's sync chose (`settledNameOf`) is no user's change: when the cloud's
+  /// place changed meanwhile (a user's rename elsewhere), the merge takes the cloud's place;
+  /// when it did not, the settled name stays (it settles a name collision).
+  @Test func aNameSyncChoseGivesWayToAPlaceChangedInTheCloud() {
+    let base = Self.file("base", mtimeNs: 1, by: "device-b", etag: "3")
+    var settled = base
+    settled.name = "f 2"
+    settled.deviceID = "device-a"
+    settled.etag = ""
+    settled.settledNameOf = base.etag
+    var renamed = base
+    renamed.name = "e"
+    renamed.etag = "4"
+    let merged = ConflictMerge.merge(
+      local: settled, base: base, server: renamed, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(merged.name == "e", "the rename made elsewhere wins over the name sync chose")
+    #expect(merged.parentID == renamed.parentID)
+    #expect(merged.settledNameOf == nil)
+
+    let edited = Self.file("theirs", mtimeNs: 20, by: "device-b", etag: "4")
+    let kept = ConflictMerge.merge(
+      local: settled, base: base, server: edited, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(kept.name == "f 2", "with the cloud's place unchanged, the settled name stays")
+    #expect(kept.chunks == edited.chunks)
+
+    // A name the user gave here is a place change: it wins as before.
+    var userRenamed = settled
+    userRenamed.settledNameOf = nil
+    let mine = ConflictMerge.merge(
+      local: userRenamed, base: base, server: renamed, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(mine.name == "f 2")
+  }
+
   /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed
   /// or chmodded the item, its mtime (small, so that they tie) and its device.
   struct Side: Sendable, CustomStringConvertible {

@@ -1686,6 +1686,16 @@ final class SyncSimulation {
       (2, 8, 0, 0, 0), (1, 18, 14, 9, 0), (0, 18, 9, 10, 0), (0, 18, 7, 14, 0), (1, 5, 9, 10, 0), (1, 6, 2, 2, 0),
       (2, 18, 10, 7, 0), (0, 8, 2, 2, 0),
     ],
+    // Device 2 renames g to f; when it pulls device 1's new f, its sync gives device 1's file
+    // the name "f 2" there, and that name goes to the cloud. Device 1 renames its f to e first:
+    // the upload of "f 2" meets the newer version and merges. A name sync chose is no user's
+    // change: the merge takes the cloud's place, and the file ends as e on every device (the
+    // rename check of the simulation; found by the folder simulation, seed
+    // 7Oeg4Pat09mbI+DVzAzK9K1dp9cHc11i83+hih9HhFc=).
+    [
+      (0, 0, 1, 0, 0), (0, 6, 0, 1, 0), (1, 8, 0, 0, 0), (2, 8, 0, 0, 0), (1, 0, 0, 0, 0), (1, 6, 0, 1, 0),
+      (2, 5, 1, 0, 0), (2, 8, 0, 0, 0), (1, 5, 0, 3, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
