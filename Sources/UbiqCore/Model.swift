@@ -60,6 +60,22 @@ public enum ItemName {
     }
     return "\(name) \(n)"
   }
+
+  /// The temporary name an item takes in the cloud while the name it moves to is still held
+  /// by an item that is moving away: "name (moving 1a2b3c4d)", within the 255-byte limit.
+  public static func aside(_ name: String, itemID: String) -> String {
+    let suffix = asideSuffix(itemID)
+    var base = name
+    while base.utf8.count + suffix.utf8.count > maxBytes { base.removeLast() }
+    return base + suffix
+  }
+
+  /// Whether `name` is a temporary name item `itemID` took while moving (`aside`).
+  public static func isAside(_ name: String, itemID: String) -> Bool {
+    name.hasSuffix(asideSuffix(itemID))
+  }
+
+  private static func asideSuffix(_ itemID: String) -> String { " (moving \(itemID.prefix(8)))" }
 }
 
 /// One content-defined chunk of a file version: its SHA-256 (lower-case hex) and length.

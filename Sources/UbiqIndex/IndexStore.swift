@@ -212,6 +212,12 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v16-delete-seen-place") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN deleteSeenPlace TEXT")
     }
+    // The revision an item with no confirmed upload had when its entry was first marked as
+    // possibly in the cloud (`markCommitsSent`): the base of a merge whose first commit's reply
+    // was lost.
+    m.registerMigration("v17-commit-sent-revision") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN commitSentRevision INTEGER")
+    }
     return m
   }
 
@@ -533,8 +539,9 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Marks the entries of items with no confirmed upload as possibly in the cloud, durably, before
-  /// their commits are sent: one commit and one sync of the index for the whole batch, the sync
-  /// outside the writer (nothing if every item has been in the cloud).
+  /// their commits are sent, with the revision each item has then (`revisionMarkedSent`): one
+  /// commit and one sync of the index for the whole batch, the sync outside the writer (nothing
+  /// if every item has been in the cloud).
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
     let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
@@ -552,13 +559,23 @@ public final class IndexStore: @unchecked Sendable {
       try write { db in
         try db.execute(
           sql: """
-            UPDATE uploadQueue SET commitSent = 1 WHERE item IN (\(marks)) AND commitSent = 0
-            AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
+            UPDATE uploadQueue SET commitSent = 1,
+              commitSentRevision = (SELECT revision FROM items WHERE id = uploadQueue.item)
+            WHERE item IN (\(marks)) AND commitSent = 0 AND (SELECT etag FROM items WHERE id = uploadQueue.item) IS NULL
             """, arguments: StatementArguments(items))
       }
     }
     // Marks made earlier count too: their sync may have failed.
     if firstUploads > 0 { try makeDurable() }
+  }
+
+  /// The revision the item of queue entry `seq` had when the entry was marked as possibly in
+  /// the cloud, before its first commit was sent (nil: not marked, or marked before revisions
+  /// were). Every commit of the item sent since came from this revision or a later one.
+  public func revisionMarkedSent(seq: Int64) throws -> Int64? {
+    try pool.read { db in
+      try Int64.fetchOne(db.cached("SELECT commitSentRevision FROM uploadQueue WHERE seq = ?"), arguments: [seq])
+    }
   }
 
   /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that

@@ -164,9 +164,13 @@ public struct DeletedPlace: Codable, Sendable, Equatable {
     self = place
   }
 
-  /// Whether `version` is where (and as) the user saw the item.
+  /// Whether `version` is where (and as) the user saw the item. A temporary name the item took
+  /// in the cloud while it moved (`ItemName.aside`) is no user's place: the user saw it at the
+  /// name it moved to, so such a version is as they saw it if its mode is.
   public func matches(_ version: CloudItem) -> Bool {
-    version.parentID == parentID && version.name == name && version.mode == mode
+    guard version.mode == mode else { return false }
+    return (version.parentID == parentID && version.name == name)
+      || ItemName.isAside(version.name, itemID: version.itemID)
   }
 }
 

@@ -49,9 +49,12 @@ public enum ConflictMerge {
     // A place that differs from the base only by a name this device's sync chose
     // (`settledNameOf`) is no user's change: a place changed in the cloud wins over it. Where
     // the cloud's place did not change, the settled name stays: it settles a name collision.
+    // A temporary name this device's own earlier commit took in the cloud while the item moved
+    // (`ItemName.aside`) is no user's place either: the local place is where the user put it.
+    let serverAside = server.deviceID == deviceID && ItemName.isAside(server.name, itemID: server.itemID)
     let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
     let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
-    if placeChanged && !(local.settledNameOf != nil && serverPlaceChanged) {
+    if serverAside || (placeChanged && !(local.settledNameOf != nil && serverPlaceChanged)) {
       out.parentID = local.parentID
       out.name = local.name
     }

@@ -865,7 +865,7 @@ public final class UploadWorker: @unchecked Sendable {
         // each entry would wait for the other forever. This one steps aside under a temporary
         // name in its new folder, the other commits, and this entry's next attempt takes the
         // name. If it already stepped aside, the name is really taken: retry with backoff.
-        let aside = Self.asideName(item.name, itemID: item.itemID)
+        let aside = ItemName.aside(item.name, itemID: item.itemID)
         guard row.baseItem?.name != aside || row.baseItem?.parentID != item.parentID else {
           throw CloudError.nameTaken(why)
         }
@@ -904,8 +904,16 @@ public final class UploadWorker: @unchecked Sendable {
           }
         }
         log.info("conflict on \(row.name): local based on \(ifMatch ?? "nothing"), cloud has \(current.etag); merging")
+        // No base: an earlier commit of the item reached the cloud and its reply was lost, and
+        // the cloud's version is built on it. Every commit of the item was sent after its entry
+        // was marked with the revision it had then: while this version is still that revision,
+        // every commit sent was this version, so it is the base, and whatever the cloud's
+        // version changed wins. Otherwise the base is unknown and the local side is taken.
+        let base =
+          try row.baseItem
+          ?? (row.etag == nil && index.revisionMarkedSent(seq: entry.seq) == row.revision ? local : nil)
         item = ConflictMerge.merge(
-          local: local, base: row.baseItem, server: current, deviceID: deviceID,
+          local: local, base: base, server: current, deviceID: deviceID,
           newVersionID: index.identifiers.next())
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
@@ -915,15 +923,6 @@ public final class UploadWorker: @unchecked Sendable {
       }
     }
     throw CloudError.unavailable("\(row.name) keeps changing in the cloud; will retry")
-  }
-
-  /// The temporary name an item takes in the cloud while the name it moves to is still held
-  /// by an item that is moving away: "name (moving 1a2b3c4d)", within the 255-byte limit.
-  static func asideName(_ name: String, itemID: String) -> String {
-    let suffix = " (moving \(itemID.prefix(8)))"
-    var base = name
-    while base.utf8.count + suffix.utf8.count > ItemName.maxBytes { base.removeLast() }
-    return base + suffix
   }
 
   /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is

@@ -91,6 +91,28 @@ import UbiqCore
     #expect(mine.name == "f 2")
   }
 
+  /// A temporary name this device's own earlier commit took in the cloud while the item moved
+  /// ("f (moving ...)", its reply lost) is no user's place: the merge keeps the local place,
+  /// even the base's (the user moved the item back). Another device's version at such a name
+  /// is a user's place there.
+  @Test func aTemporaryNameOfThisDevicesOwnCommitIsNoUsersPlace() {
+    let base = Self.file("base", mtimeNs: 1, by: "device-a", etag: "3")
+    var aside = base
+    aside.parentID = "folder-d"
+    aside.name = ItemName.aside("f", itemID: base.itemID)
+    aside.etag = "4"
+    #expect(aside.name == "f (moving item-1)")
+    let movedBack = ConflictMerge.merge(
+      local: base, base: base, server: aside, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(movedBack.name == "f" && movedBack.parentID == base.parentID, "the local place is the user's")
+
+    var theirs = aside
+    theirs.deviceID = "device-b"
+    let renamedThere = ConflictMerge.merge(
+      local: base, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(renamedThere.name == aside.name && renamedThere.parentID == "folder-d")
+  }
+
   /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed
   /// or chmodded the item, its mtime (small, so that they tie) and its device.
   struct Side: Sendable, CustomStringConvertible {

@@ -1696,6 +1696,38 @@ final class SyncSimulation {
       (0, 0, 1, 0, 0), (0, 6, 0, 1, 0), (1, 8, 0, 0, 0), (2, 8, 0, 0, 0), (1, 0, 0, 0, 0), (1, 6, 0, 1, 0),
       (2, 5, 1, 0, 0), (2, 8, 0, 0, 0), (1, 5, 0, 3, 0),
     ],
+    // From the folder generator's setup (d/e/d, e/d/e, d/d/e, d/e/f on every device): device 0
+    // moves d/d into d/e over the empty d/e/d; the cloud still has d/e/d, so the move steps
+    // aside as "d (moving ...)", and both the delete and the aside commit are held back in the
+    // network. Device 0 then moves d into e/d and removes e. The delete of d/e/d meets the
+    // aside version, which is this device's own and no user's place: the delete wins, and
+    // nothing comes back (found by the folder soak, seed 1AyixjGv47FjGgG2+7lrZrbVJKFDiNW9q40jkP7NF24=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (0, 18, 10, 7, 0), (0, 19, 2, 2, 0), (0, 18, 2, 9, 0), (0, 4, 3, 2, 0),
+    ],
+    // Device 0 moves e/d/e over the empty d/d/e, steps aside as "e (moving ...)" in d/d (both
+    // held back in the network), then moves the folder back where it was. The late aside
+    // version is no user's place: the retry's merge keeps the folder in e/d (the rename check;
+    // found by the folder simulation, seed Hj3ij3wL3vr2oeWZf/pcO648QAyfLbc3yizbsRMkIXU=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (0, 18, 13, 10, 0), (0, 19, 2, 2, 0), (0, 18, 14, 9, 0),
+    ],
+    // Device 0's first commit of d/e/f reaches the cloud and its reply is lost; device 2 moves
+    // the file to d/f; device 0 sends it again. The merge's base is the version device 0 sent
+    // (nothing changed here since): device 2's move stays (the rename check; found by the
+    // folder simulation, seed qxwYAlBunO5YTo6V4k1YOoabm8lJqfUGZYDPrD34rwM=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (0, 19, 2, 2, 947), (2, 8, 2, 2, 0), (2, 18, 8, 2, 0), (2, 20, 2, 2, 0),
+    ],
+    // The same with a file written while device 0 uploads (seed
+    // SffkiHC6Bbsgo6ecdYaByWGJzF/DQdUxj04AAuIuJmA=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (0, 23, 4, 2, 0), (0, 19, 2, 2, 468), (2, 8, 2, 2, 0), (2, 18, 4, 3, 0), (2, 20, 2, 2, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed

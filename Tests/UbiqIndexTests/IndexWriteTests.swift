@@ -159,10 +159,38 @@ import Testing
       }
     }
     #expect(try marked() == [])
+    let entry = try #require(try index.queueEntry(forInode: new))
+    let revision = try #require(try index.item(new)?.revision)
+    #expect(try index.revisionMarkedSent(seq: entry.seq) == nil)
     try index.markCommitsSent(items: [new, known])
     #expect(try marked() == [new])
+    #expect(try index.revisionMarkedSent(seq: entry.seq) == revision, "the revision the first commit is sent from")
+    // A change after the mark leaves the mark as it was: later commits come from a newer revision.
+    _ = try index.setAttributes(new, AttributeChanges(mode: 0o600))
+    #expect(try index.item(new)?.revision != revision)
     try index.markCommitsSent(items: [new, known])
     #expect(try marked() == [new])
+    #expect(try index.revisionMarkedSent(seq: entry.seq) == revision)
+  }
+
+  /// A user's delete meets a newer version of this device's own: it is the version they deleted
+  /// where it is where they saw it, or at a temporary name it took while it moved, with their mode.
+  @Test func aDeletedPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
+    let seen = DeletedPlace(parentID: "folder-d", name: "f", mode: 0o644)
+    var version = CloudItem(
+      itemID: "0000000f-0000-4000-8000-00000000000f", parentID: "folder-d", name: "f", kind: .file, mode: 0o644,
+      size: 0, mtimeNs: 1, deviceID: "device-a")
+    #expect(seen.matches(version))
+    version.name = "g"
+    #expect(!seen.matches(version), "renamed")
+    version.parentID = "folder-e"
+    version.name = ItemName.aside("f", itemID: version.itemID)
+    #expect(seen.matches(version), "on its way, at a temporary name")
+    version.mode = 0o600
+    #expect(!seen.matches(version), "another mode")
+    version.mode = 0o644
+    version.name = ItemName.aside("f", itemID: "00000010-0000-4000-8000-000000000010")
+    #expect(!seen.matches(version), "another item's temporary name")
   }
 
   @Test func aFoldersLinkCountIsRightWhenItemsHasColumnsAfterItemRows() throws {
