@@ -766,6 +766,8 @@ public final class IndexStore: @unchecked Sendable {
       sql: "UPDATE items SET name = ?, parent = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
       arguments: [src.name, src.parent, now, dstID])
     let nowLocalOnly = [try Self.isLocalOnly(db, srcID), try Self.isLocalOnly(db, dstID)]
+    // Of each row, whether the identity it takes may be in the cloud already (see below).
+    var sentIdentity = [false, false]
     if src.kind == .file && dst.kind == .file && wasLocalOnly == [false, false] && nowLocalOnly == [false, false] {
       // Identity swap; the unique itemID goes through a temporary value.
       func identity(of row: ItemRow, for other: ItemRow) -> [DatabaseValueConvertible?] {
@@ -777,11 +779,20 @@ public final class IndexStore: @unchecked Sendable {
       try db.execute(sql: "UPDATE items SET itemID = ? WHERE id = ?", arguments: ["\u{1}swap\(srcID)", srcID])
       try db.execute(sql: sql, arguments: StatementArguments(identity(of: src, for: dst) + [dstID]))
       try db.execute(sql: sql, arguments: StatementArguments(identity(of: dst, for: src) + [srcID]))
+      // An identity whose first commit may have reached the cloud keeps that mark on its new row
+      // (a delete then asks the cloud), without a revision: those commits came from the other
+      // row, so no version of this one is the base of a merge with what the cloud has.
+      sentIdentity = [try Self.uploadAttempted(db, dst), try Self.uploadAttempted(db, src)]
       try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
     }
     try Self.touchDirectory(db, src.parent!, now)
     if dst.parent != src.parent { try Self.touchDirectory(db, dst.parent!, now) }
-    for (i, id) in [srcID, dstID].enumerated() { try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i]) }
+    for (i, id) in [srcID, dstID].enumerated() {
+      try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i])
+      if sentIdentity[i] {
+        try db.cached("UPDATE uploadQueue SET commitSent = 1 WHERE item = ?").execute(arguments: [id])
+      }
+    }
     return RenameResult(
       moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
       replaced: nil)

@@ -173,6 +173,35 @@ import Testing
     #expect(try index.revisionMarkedSent(seq: entry.seq) == revision)
   }
 
+  /// Two files exchanged (RENAME_EXCHANGE) swap their cloud identities. The row that takes an
+  /// identity whose first commit may have reached the cloud takes that mark too (a later delete
+  /// asks the cloud), with no revision: what was sent came from the other row, so no version of
+  /// this one is the base of a merge with it.
+  @Test func anExchangeCarriesTheMarkOfAFirstCommitSentWithTheIdentity() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let a = try #require(try index.create(parent: docs, name: "a", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let b = try #require(try index.create(parent: docs, name: "b", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    try index.markCommitsSent(items: [a])
+    let sentItemID = try #require(try index.item(a)?.itemID)
+    _ = try index.rename(parent: docs, name: "a", newParent: docs, newName: "b", mode: .exchange)
+    #expect(try index.item(b)?.itemID == sentItemID, "the identities were swapped")
+    func mark(_ inode: Int64) throws -> (sent: Bool, revision: Int64?) {
+      let entry = try #require(try index.queueEntry(forInode: inode))
+      let sent = try index.pool.read { db in
+        try Bool.fetchOne(db, sql: "SELECT commitSent FROM uploadQueue WHERE seq = ?", arguments: [entry.seq])
+      }
+      return (sent == true, try index.revisionMarkedSent(seq: entry.seq))
+    }
+    try index.markCommitsSent(items: [a, b])
+    let taken = try mark(b)
+    #expect(taken.sent && taken.revision == nil, "the row with the sent identity: \(taken)")
+    let other = try mark(a)
+    let revision = try index.item(a)?.revision
+    #expect(other.sent && other.revision == revision, "the other row is marked afresh: \(other)")
+  }
+
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
   /// where it is where they saw it, or at a temporary name it took while it moved, with their mode.
   @Test func aDeletedPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
