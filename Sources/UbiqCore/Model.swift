@@ -75,6 +75,14 @@ public enum ItemName {
     name.hasSuffix(asideSuffix(itemID))
   }
 
+  /// The name item `itemID` moved under, if `name` is its temporary name (`aside`; cut to fit,
+  /// if the name was long). Nil for any other name.
+  public static func withoutAside(_ name: String, itemID: String) -> String? {
+    let suffix = asideSuffix(itemID)
+    guard name.hasSuffix(suffix), name.utf8.count > suffix.utf8.count else { return nil }
+    return String(name.dropLast(suffix.count))
+  }
+
   private static func asideSuffix(_ itemID: String) -> String { " (moving \(itemID.prefix(8)))" }
 }
 

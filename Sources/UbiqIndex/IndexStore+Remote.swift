@@ -298,8 +298,10 @@ extension IndexStore {
   }
 
   /// Moves each folder of `plan` back to its parent in the cloud, under its name there (or a
-  /// free one if another item holds it here), as a new local revision that is uploaded. False
-  /// if a folder is gone or has no place in the cloud.
+  /// free one if another item holds it here), as a new local revision that is uploaded. A
+  /// temporary name the folder took in the cloud while this device moved it (`ItemName.aside`)
+  /// is no user's: the folder takes back the name it moved under. False if a folder is gone or
+  /// has no place in the cloud.
   func moveBack(_ db: Database, _ plan: [(folder: Int64, backTo: Int64)], stale: inout [(Int64, String)]) throws
     -> Bool
   {
@@ -307,6 +309,7 @@ extension IndexStore {
       guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [folder]),
         var name = try Self.placeInCloud(db, of: folder)?.name
       else { return false }
+      name = ItemName.withoutAside(name, itemID: row.itemID) ?? name
       if let holder = try Self.childID(db, back, name), holder != folder {
         name = try Self.freeName(db, back, name)
       }

@@ -102,6 +102,9 @@ import UbiqCore
     aside.name = ItemName.aside("f", itemID: base.itemID)
     aside.etag = "4"
     #expect(aside.name == "f (moving item-1)")
+    #expect(ItemName.withoutAside(aside.name, itemID: base.itemID) == "f")
+    #expect(ItemName.withoutAside(aside.name, itemID: "item-2") == nil)
+    #expect(ItemName.withoutAside("f", itemID: base.itemID) == nil)
     let movedBack = ConflictMerge.merge(
       local: base, base: base, server: aside, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(movedBack.name == "f" && movedBack.parentID == base.parentID, "the local place is the user's")

@@ -1728,6 +1728,17 @@ final class SyncSimulation {
       (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
       (2, 8, 0, 0, 0), (0, 23, 4, 2, 0), (0, 19, 2, 2, 468), (2, 8, 2, 2, 0), (2, 18, 4, 3, 0), (2, 20, 2, 2, 0),
     ],
+    // Device 1 moves d/e over its empty d/d/e while device 0's new d/d/e holds the name in the
+    // cloud: d/e steps aside there as "e (moving ...)". Device 2 has moved e/d into d/e, so
+    // device 1's next move of the folder into e/d is refused as a cycle and undone: the folder
+    // goes back to its place in the cloud, but under the name it moved under, not the
+    // temporary one ("e 2", the name being taken here) (the rename check; found by the folder
+    // soak, seed JAB+JvSCSk471gSqq/yN/0frTxzLIT6I25SgoUELHSA=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (2, 5, 9, 8, 0), (0, 18, 14, 3, 0), (1, 18, 7, 10, 0), (0, 17, 14, 2, 0), (0, 20, 2, 2, 0),
+      (1, 6, 2, 2, 0), (2, 20, 2, 2, 0), (1, 18, 14, 9, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
