@@ -610,7 +610,7 @@ final class SyncSimulation {
   /// seen every change of the item and of everything below it when it removed it (`seenAll`).
   /// A removed item must stay deleted unless a change made elsewhere, that the remover had not
   /// seen, brings it back by the rules (a zombie, an old copy back, is a finding).
-  var deletions: [String: [(device: Int, step: Int, seenAll: Bool)]] = [:]
+  var deletions: [String: [(device: Int, step: Int, seenAll: Bool, removed: Set<String>)]] = [:]
   /// The user steps that made or changed each item (content, name, place, mode, or an item
   /// added below a folder), by device and step.
   var changes: [String: [(device: Int, step: Int)]] = [:]
@@ -1116,9 +1116,10 @@ final class SyncSimulation {
       }
     }
     if let seenAll {
-      for id in before.keys where after[id] == nil {
+      let removed = Set(before.keys.filter { after[$0] == nil })
+      for id in removed.sorted() {
         let seen = seenAll(id)
-        deletions[id, default: []].append((d, step, seen))
+        deletions[id, default: []].append((d, step, seen, removed))
         if seen { Self.stats["removals after seeing every change", default: 0] += 1 }
       }
     }
@@ -1382,13 +1383,15 @@ final class SyncSimulation {
     let childrenInCloud = Self.children(records.mapValues { $0.parentID })
     for (id, removals) in deletions.sorted(by: { $0.key < $1.key }) {
       // A change of the item, or of an item below it in the cloud now (added to a folder that
-      // was moved into it later, for one), counts if no removal that had seen everything came
-      // after it, and the device that made it did not remove the item itself afterwards.
-      let lastSeenAll = removals.filter(\.seenAll).map(\.step).max() ?? 0
+      // was moved into it later, for one), counts unless a removal that took the changed item
+      // with it came after it and had seen everything, or was made by the device that made the
+      // change. A removal made before the changed item was moved below did not take it: it
+      // cannot have seen it there.
       let excused = Self.subtree(id, childrenInCloud).contains { item in
         changes[item, default: []].contains { change in
-          change.step > lastSeenAll
-            && !removals.contains { $0.device == change.device && $0.step > change.step }
+          !removals.contains {
+            $0.step > change.step && $0.removed.contains(item) && ($0.seenAll || $0.device == change.device)
+          }
         }
       }
       if excused { continue }
@@ -1727,6 +1730,15 @@ final class SyncSimulation {
     [
       (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
       (2, 8, 0, 0, 0), (0, 23, 4, 2, 0), (0, 19, 2, 2, 468), (2, 8, 2, 2, 0), (2, 18, 4, 3, 0), (2, 20, 2, 2, 0),
+    ],
+    // Device 0 writes d/e/f and removes e before f is uploaded; device 1, which has not seen
+    // f, moves d into e/d and removes e. f reaches the cloud in d/e: e comes back with the
+    // folders above f, by the rules. The zombie check once held device 0's removal of e, which
+    // had seen every change of e then, against f, which was not below e at that time (found by
+    // the folder simulation, seed /tnFmjOcKwls5VXfEhwIBJcmRDxj3x6Et9+qNBbmXiE=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (0, 4, 3, 2, 0), (1, 18, 2, 9, 0), (1, 20, 2, 2, 0), (1, 4, 3, 2, 0),
     ],
     // Device 1 moves d/e over its empty d/d/e while device 0's new d/d/e holds the name in the
     // cloud: d/e steps aside there as "e (moving ...)". Device 2 has moved e/d into d/e, so
