@@ -528,12 +528,14 @@ def test_content_state_xattr_follows_a_file_through_its_states(ubiq):
     def state() -> str:
         return Ubiq.xattr(f, "user.ubiq.content_state")
 
-    data = os.urandom(3 * 1024 * 1024)
+    # Larger than the largest chunk (4 MiB), so the file has at least two chunks and a read of
+    # its first bytes cannot bring the whole file (the bandwidth cap delays the chunk after).
+    data = os.urandom(5 * 1024 * 1024)
     with open(f, "wb") as fh:
         fh.write(data)
         fh.flush()
         assert state() == "dirty"
-    # 3 MiB at 512 KiB/s: about 6 s of sending.
+    # 5 MiB at 512 KiB/s: about 10 s of sending.
     wait_for(lambda: state() == "uploading", timeout=10, what="the upload to start")
     ubiq.sync(f, timeout=60)
     assert state() == "cached"
