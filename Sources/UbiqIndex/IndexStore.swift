@@ -611,14 +611,17 @@ public final class IndexStore: @unchecked Sendable {
     return DeletedPlace(parentID: parentID, name: row.name, mode: row.mode)
   }
 
-  /// Queues (or re-arms) the upload of an item, unless it is local-only.
+  /// Queues (or re-arms) the upload of an item, unless it is local-only. A re-armed entry
+  /// sends a version nobody has tried yet: the error of the last attempt goes with it (an entry
+  /// still marked `EINVAL` would count as a move the cloud refused).
   func enqueue(_ db: Database, _ inode: Int64) throws {
     if try Self.isLocalOnly(db, inode) { return }
     let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
-      ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs
+      ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs,
+        lastError = NULL, lastErrno = NULL
       """
     ).execute(arguments: [inode, now, now + uploadDelayNs])
   }

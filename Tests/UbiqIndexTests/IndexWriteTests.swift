@@ -202,6 +202,36 @@ import Testing
     #expect(other.sent && other.revision == revision, "the other row is marked afresh: \(other)")
   }
 
+  /// A queue entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing
+  /// out of a folder. A new local change re-arms the entry with a version nobody has refused
+  /// yet: it takes the item out again, and its old error no longer shows.
+  @Test func aNewLocalChangeClearsTheErrorOfTheVersionTheCloudRefused() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let folder = try #require(
+      try index.create(parent: docs, name: "f", kind: .directory, mode: 0o755, uid: 0, gid: 0).id)
+    let file = try #require(try index.create(parent: folder, name: "x", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let folderID = try #require(try index.item(folder)?.itemID)
+    let fileID = try #require(try index.item(file)?.itemID)
+    // The cloud has x in f, as this device last saw it.
+    try index.write { db in
+      try db.execute(
+        sql: "UPDATE items SET etag = '1', base = json_object('parentID', ?) WHERE id = ?", arguments: [folderID, file])
+      try db.execute(sql: "DELETE FROM uploadQueue")
+    }
+    _ = try index.rename(parent: folder, name: "x", newParent: docs, newName: "x", mode: .replace)
+    let entry = try #require(try index.queueEntry(forInode: file))
+    try index.markFailed(seq: entry.seq, error: "the move makes a cycle", errno: EINVAL)
+    #expect(
+      try !index.hasQueuedEntry(takingOut: fileID, of: folderID, placedHere: false, besides: -1),
+      "a refused move takes nothing out")
+    _ = try index.rename(parent: docs, name: "x", newParent: docs, newName: "y", mode: .replace)
+    let rearmed = try #require(try index.queueEntry(forInode: file))
+    #expect(rearmed.seq == entry.seq && rearmed.lastError == nil && rearmed.lastErrno == nil, "\(rearmed)")
+    #expect(try index.hasQueuedEntry(takingOut: fileID, of: folderID, placedHere: false, besides: -1))
+  }
+
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
   /// where it is where they saw it, or at a temporary name it took while it moved, with their mode.
   @Test func aDeletedPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
