@@ -82,6 +82,9 @@ public final class ContentStream: @unchecked Sendable {
   private var failure: UbiqError?
   private var isFinished = false
   private var endingStarted = false
+  /// The monotonic time until which the bandwidth cap holds a fetch of this download back: a
+  /// reader's stall timeout counts from then, not from the last chunk that arrived.
+  private var pacedUntilNs: UInt64 = 0
   /// Set when the download must stop: the file's content was replaced locally (truncate,
   /// O_TRUNC), the item went away, or the last handle reading it closed. No chunk may land in
   /// the cache file after that; waiting readers read the file as it is.
@@ -166,8 +169,13 @@ public final class ContentStream: @unchecked Sendable {
   /// Asks for every chunk.
   func requestWholeFile() { cond.withLock { wholeFile = true } }
 
+  /// A fetch of this download may start only at `ns` (monotonic), when the bandwidth cap has
+  /// room for it.
+  func pacedUntil(_ ns: UInt64) { cond.withLock { pacedUntilNs = max(pacedUntilNs, ns) } }
+
   /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
-  /// `stallTimeoutNs`, or the caller was interrupted. A range that reaches the end of the file,
+  /// `stallTimeoutNs` (after the bandwidth cap let the last one start), or the caller was
+  /// interrupted. A range that reaches the end of the file,
   /// once every chunk is here, also waits until the download is finished (made durable and
   /// recorded), so a reader that read the whole file then sees it downloaded.
   /// True if a read of [off, off+len) would not wait: the range is here, or the download
@@ -203,6 +211,13 @@ public final class ContentStream: @unchecked Sendable {
         if !self.cond.wait(until: deadline) && self.doneCount == progress {
           // Every byte asked for is here: past the deadline the read goes on without the record.
           if !range.contains(where: { !self.done[$0] }) { return }
+          // A fetch the bandwidth cap holds back is no stall: its time starts when it may go.
+          let now = Clock.monotonicNs()
+          let pacedDeadline = self.pacedUntilNs.addingReportingOverflow(stallTimeoutNs)
+          if !pacedDeadline.overflow && pacedDeadline.partialValue > now {
+            deadline = Date(timeIntervalSinceNow: Double(pacedDeadline.partialValue - now) / 1e9)
+            continue
+          }
           throw UbiqError.unavailable("no content arrived from the cloud for \(stallTimeoutNs / 1_000_000_000) s")
         }
       }
@@ -736,15 +751,24 @@ public final class Downloader: @unchecked Sendable {
   }
 
   /// Fetches one chunk into the cache file, retrying transient failures until `stallTimeoutNs`
-  /// has passed. Returns false if the download stopped first (nothing written).
+  /// has passed since the first. Returns false if the download stopped first (nothing written).
   func fetch(_ s: ContentStream, _ i: Int) async throws -> Bool {
     let chunk = s.chunks[i]
-    let start = Clock.monotonicNs()
+    var firstFailure: UInt64?
     var delay: UInt64 = 100_000_000
+    // The chunk books its share of a bandwidth cap once: a retry sends the bytes it paid for.
+    var booked = false
     while true {
       if s.stopped { return false }
       do {
-        await limiter?.acquire(Int(clamping: chunk.length))
+        if let limiter, !booked {
+          booked = true
+          let startAt = limiter.reserve(Int(clamping: chunk.length))
+          s.pacedUntil(startAt)
+          let now = Clock.monotonicNs()
+          if startAt > now { try? await Task.sleep(nanoseconds: startAt - now) }
+          if s.stopped { return false }
+        }
         let data = try await s.cancellingOnStop { [cloud] in try await cloud.getChunk(hash: chunk.hash, range: nil) }
         lock.withLock { fetched &+= Int64(data.count) }
         guard Int64(data.count) == chunk.length, Chunker.sha256Hex(data) == chunk.hash else {
@@ -754,9 +778,11 @@ public final class Downloader: @unchecked Sendable {
       } catch let e as CloudError {
         switch e {
         case .unavailable:
-          if Clock.monotonicNs() - start > stallTimeoutNs {
+          let now = Clock.monotonicNs()
+          if now - (firstFailure ?? now) > stallTimeoutNs {
             throw UbiqError.unavailable("cloud unreachable: \(e)")
           }
+          if firstFailure == nil { firstFailure = now }
           try? await Task.sleep(nanoseconds: delay)
           delay = min(delay * 2, 2_000_000_000)
         case .notFound:

@@ -11,15 +11,24 @@ public final class RateLimiter: @unchecked Sendable {
 
   public init(bytesPerSecond: Int64) { self.bytesPerSecond = bytesPerSecond }
 
-  public func acquire(_ bytes: Int) async {
-    guard bytesPerSecond > 0 else { return }
-    let cost = UInt64(Double(bytes) / Double(bytesPerSecond) * 1e9)
-    let wait: UInt64 = lock.withLock {
-      let now = Clock.monotonicNs()
+  /// Books the link for `bytes` and returns the monotonic time the transfer may start: now if
+  /// the link is free, else when the transfers booked before have had their share. A transfer
+  /// pays for itself in the wait of the next one (the first after a quiet spell goes at once).
+  public func reserve(_ bytes: Int) -> UInt64 {
+    let now = Clock.monotonicNs()
+    guard bytesPerSecond > 0 else { return now }
+    let cost = UInt64(min(Double(UInt64.max / 2), max(0, Double(bytes)) / Double(bytesPerSecond) * 1e9))
+    return lock.withLock {
       let start = max(now, nextFreeNs)
-      nextFreeNs = start + cost
-      return start > now ? start - now : 0
+      nextFreeNs = start.addingReportingOverflow(cost).overflow ? UInt64.max : start + cost
+      return start
     }
-    if wait > 0 { try? await Task.sleep(nanoseconds: wait) }
+  }
+
+  /// Waits until a transfer of `bytes` may start (`reserve`).
+  public func acquire(_ bytes: Int) async {
+    let start = reserve(bytes)
+    let now = Clock.monotonicNs()
+    if start > now { try? await Task.sleep(nanoseconds: start - now) }
   }
 }

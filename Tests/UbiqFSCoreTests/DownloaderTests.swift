@@ -108,6 +108,30 @@ import UbiqIndex
     }
   }
 
+  /// A bandwidth cap (`--download-limit`) holds each chunk back until its share of the link is
+  /// free. That is no stall: a reader waits for as long as the cap makes it, and a cap slower
+  /// than one chunk per stall timeout reads the file, slowly, instead of failing it with EIO.
+  @Test func aReaderWaitsForChunksTheBandwidthCapHoldsBack() async throws {
+    try await onOwnThread {
+      let data = Self.noise(3 << 20, seed: 43)
+      let (a, b, _) = try Self.evictedOnB(["capped": data])
+      defer { withExtendedLifetime(a) {} }
+      let inode = try b.inode("capped")!
+      try checkThat(try b.index.item(inode)!.chunkList.count >= 3, "the file has several chunks")
+      // Each chunk (256 KiB at least) waits 0.25 s or more for its share of 1 MiB/s: longer
+      // than the stall timeout.
+      b.downloader.limiter = RateLimiter(bytesPerSecond: 1 << 20)
+      b.downloader.stallTimeoutNs = 150_000_000
+      let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      var read = Data()
+      while read.count < data.count {
+        read += try b.core.read(h, offset: Int64(read.count), size: min(128 << 10, data.count - read.count))
+      }
+      b.core.release(h)
+      try checkThat(read == data, "the whole file was read")
+    }
+  }
+
   @Test func aReadAtTheEndOfAnEvictedFileFetchesOnlyWhatItReads() async throws {
     try await onOwnThread {
       let data = Self.noise(9 << 20, seed: 11)
