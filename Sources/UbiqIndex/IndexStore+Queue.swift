@@ -270,18 +270,32 @@ extension IndexStore {
     try write { db in try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq]) }
   }
 
-  /// Records a failed attempt; the entry is retried with exponential backoff (1 s doubling to
-  /// at most `maxBackoffNs`) and is never dropped.
-  public func markFailed(seq: Int64, error: String, errno: Int32, maxBackoffNs: Int64 = 60_000_000_000) throws {
+  /// Records a failed attempt of the entry as it was queued at `triedAsOf` (its `enqueuedNs`
+  /// when the attempt read it); the entry is retried with exponential backoff (1 s doubling to
+  /// at most `maxBackoffNs`) and is never dropped. An entry re-armed since by a new change
+  /// holds a version nobody has tried: the attempt is counted, and the error and the backoff
+  /// are not its. Returns false then.
+  @discardableResult
+  public func markFailed(
+    seq: Int64, error: String, errno: Int32, triedAsOf: Int64, maxBackoffNs: Int64 = 60_000_000_000
+  ) throws -> Bool {
     try write { db in
-      let attempts =
-        try Int.fetchOne(db.cached("SELECT attempts FROM uploadQueue WHERE seq = ?"), arguments: [seq]) ?? 0
-      let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(attempts, 20)))
+      guard
+        let row = try Row.fetchOne(
+          db.cached("SELECT attempts, enqueuedNs FROM uploadQueue WHERE seq = ?"), arguments: [seq])
+      else { return false }
+      guard (row["enqueuedNs"] as Int64) == triedAsOf else {
+        try db.cached("UPDATE uploadQueue SET attempts = attempts + 1 WHERE seq = ?").execute(arguments: [seq])
+        return false
+      }
+      let attempts: Int = row["attempts"]
+      let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(max(attempts, 0), 20)))
       try db.execute(
         sql: """
           UPDATE uploadQueue SET attempts = attempts + 1, lastError = ?, lastErrno = ?, nextAttemptNs = ?
           WHERE seq = ?
           """, arguments: [error, errno, self.clock.nowNs() + backoff, seq])
+      return true
     }
   }
 

@@ -651,13 +651,14 @@ public final class UploadWorker: @unchecked Sendable {
   func failed(_ entry: QueueEntry, _ error: Error) {
     let (message, code) = Self.describe(error)
     log.warning("upload of queue entry \(entry.seq) failed (attempt \(entry.attempts + 1)): \(message)")
-    recorded((try? index.markFailed(seq: entry.seq, error: message, errno: code)) != nil)
+    let current = try? index.markFailed(seq: entry.seq, error: message, errno: code, triedAsOf: entry.enqueuedNs)
+    recorded(current != nil)
     switch error {
     case CloudError.cycle:
       // Another device's move crossed this one and the cloud took it first: this move loses.
       // Once the pull has brought the other move here, the folder goes back where the cloud
-      // has it, and the entry uploads that.
-      if let inode = entry.item {
+      // has it, and the entry uploads that. A move made here since is tried on its own.
+      if let inode = entry.item, current == true {
         do {
           if let undone = try index.undoRefusedMove(seq: entry.seq, inode: inode) {
             log.info("move of \(inode) crossed another device's move and lost; it is undone here")

@@ -222,7 +222,7 @@ import Testing
     }
     _ = try index.rename(parent: folder, name: "x", newParent: docs, newName: "x", mode: .replace)
     let entry = try #require(try index.queueEntry(forInode: file))
-    try index.markFailed(seq: entry.seq, error: "the move makes a cycle", errno: EINVAL)
+    try index.markFailed(seq: entry.seq, error: "the move makes a cycle", errno: EINVAL, triedAsOf: entry.enqueuedNs)
     #expect(
       try !index.hasQueuedEntry(takingOut: fileID, of: folderID, placedHere: false, besides: -1),
       "a refused move takes nothing out")
@@ -230,6 +230,14 @@ import Testing
     let rearmed = try #require(try index.queueEntry(forInode: file))
     #expect(rearmed.seq == entry.seq && rearmed.lastError == nil && rearmed.lastErrno == nil, "\(rearmed)")
     #expect(try index.hasQueuedEntry(takingOut: fileID, of: folderID, placedHere: false, besides: -1))
+    // The answer to an attempt of the old version, arriving after the re-arm, is no answer
+    // about the new one.
+    #expect(try !index.markFailed(seq: entry.seq, error: "a late cycle", errno: EINVAL, triedAsOf: entry.enqueuedNs))
+    let after = try #require(try index.queueEntry(forInode: file))
+    #expect(after.lastErrno == nil && after.attempts == entry.attempts + 2, "\(after)")
+    #expect(try index.hasQueuedEntry(takingOut: fileID, of: folderID, placedHere: false, besides: -1))
+    #expect(try index.markFailed(seq: entry.seq, error: "a cycle", errno: EINVAL, triedAsOf: after.enqueuedNs))
+    #expect(try index.queueEntry(forInode: file)?.lastErrno == EINVAL)
   }
 
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
