@@ -199,10 +199,12 @@ extension IndexStore {
   /// Whether an entry other than `seq` will take item `itemID` out of folder `folderItemID`,
   /// which the cloud has it in: its delete, or a change of an item this device put there or
   /// knew there (the folder's delete is queued, so the item is elsewhere here: the change moves
-  /// it out). `placedHere`: the cloud's version of the item is this device's own, which may be
-  /// a commit whose answer never came (no base here, or an older one). An item another device
-  /// put into the folder stays there whatever this device changes, and the folder comes back
-  /// for it. `rm -r` deletes in the order of this device's tree, and the cloud may still have
+  /// it out), or a change that moves or renames the item here (a place changed here wins the
+  /// merge with the cloud's version, `ConflictMerge.merge`, unless it is only a name this
+  /// device's sync chose). `placedHere`: the cloud's version of the item is this device's own,
+  /// which may be a commit whose answer never came (no base here, or an older one). An item
+  /// another device put into the folder and that this device changes in place otherwise (an
+  /// edit, a chmod) stays there, and the folder comes back for it. `rm -r` deletes in the order of this device's tree, and the cloud may still have
   /// an item moved here inside a folder deleted before it, so the place in the queue does not
   /// matter. An entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing
   /// out: only a pull settles it, by putting the item back, which may need the folder itself.
@@ -217,7 +219,10 @@ extension IndexStore {
           UNION ALL
           SELECT 1 FROM items i JOIN uploadQueue q ON q.item = i.id
           WHERE i.itemID = ?1 AND q.seq != ?2 AND q.lastErrno IS NOT ?3
-            AND (?5 OR json_extract(i.base, '$.parentID') = ?4)
+            AND (?5 OR json_extract(i.base, '$.parentID') = ?4
+              OR json_extract(i.base, '$.parentID') IS NOT (SELECT itemID FROM items WHERE id = i.parent)
+              OR (json_extract(i.base, '$.name') IS NOT i.name
+                AND NOT EXISTS(SELECT 1 FROM automaticRenames a WHERE a.item = i.id AND a.revision = i.revision)))
           LIMIT 1
           """), arguments: [itemID, seq, EINVAL, folderItemID, placedHere]) == true
     }

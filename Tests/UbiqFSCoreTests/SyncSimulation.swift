@@ -1751,6 +1751,18 @@ final class SyncSimulation {
       (2, 8, 0, 0, 0), (2, 5, 9, 8, 0), (0, 18, 14, 3, 0), (1, 18, 7, 10, 0), (0, 17, 14, 2, 0), (0, 20, 2, 2, 0),
       (1, 6, 2, 2, 0), (2, 20, 2, 2, 0), (1, 18, 14, 9, 0),
     ],
+    // Device 1 moves d/e into e/d/e and removes e (not having seen d/e/f, which comes back with
+    // its folders, e/d/e among them, by the rules). Device 0, not having seen the move, moves
+    // d/e over its empty e/d/e, replacing it. Its delete of e/d/e meets d/e inside it in the
+    // cloud; its queued move takes d/e out (a place changed here wins the merge), so the
+    // delete waits for it and e/d/e stays deleted, instead of coming back, empty, as
+    // "e/d/e 2" (the zombie check; found by the folder soak, seed
+    // UfB1UsrA4MYR6VNLiPbAFMtSxVbLWqwExcICfyrO2Vs=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 18, 7, 13, 0), (1, 20, 2, 2, 0), (0, 6, 2, 2, 0), (1, 4, 3, 2, 0), (0, 18, 7, 9, 0),
+      (1, 20, 2, 2, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
