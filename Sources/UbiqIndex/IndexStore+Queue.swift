@@ -204,8 +204,9 @@ extension IndexStore {
   /// device's sync chose). `placedHere`: the cloud's version of the item is this device's own,
   /// which may be a commit whose answer never came (no base here, or an older one). An item
   /// another device put into the folder and that this device changes in place otherwise (an
-  /// edit, a chmod) stays there, and the folder comes back for it. `rm -r` deletes in the order of this device's tree, and the cloud may still have
-  /// an item moved here inside a folder deleted before it, so the place in the queue does not
+  /// edit, a chmod) stays there, and the folder comes back for it. `rm -r` deletes in the order
+  /// of this device's tree, and the cloud may still have an item moved here inside a folder
+  /// deleted before it, so the place in the queue does not
   /// matter. An entry the cloud refused as invalid (`EINVAL`: a move into a cycle) takes nothing
   /// out: only a pull settles it, by putting the item back, which may need the folder itself.
   public func hasQueuedEntry(

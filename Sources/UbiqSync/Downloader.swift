@@ -175,8 +175,7 @@ public final class ContentStream: @unchecked Sendable {
 
   /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
   /// `stallTimeoutNs` (after the bandwidth cap let the last one start), or the caller was
-  /// interrupted. A range that reaches the end of the file,
-  /// once every chunk is here, also waits until the download is finished (made durable and
+  /// interrupted. A range that reaches the end of the file, once every chunk is here, also waits until the download is finished (made durable and
   /// recorded), so a reader that read the whole file then sees it downloaded.
   /// True if a read of [off, off+len) would not wait: the range is here, or the download
   /// stopped (the read takes the file as it is).
