@@ -169,7 +169,7 @@ extension IndexStore {
       // of other devices it may carry (a merge's).
       try self.enqueueDelete(
         db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
-        seen: result.parentID.map { DeletedPlace(parentID: $0, name: result.name, mode: result.mode) })
+        seen: result.parentID.map { ItemPlace(parentID: $0, name: result.name, mode: result.mode) })
       return
     }
     if placeOnly {
@@ -191,8 +191,11 @@ extension IndexStore {
     if row.revision == revision && !placeOnly {
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
     } else {
-      try db.cached("UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL WHERE seq = ?")
-        .execute(arguments: [seq])
+      // The stored version is now the base: no earlier commit of the entry is unanswered.
+      try db.cached(
+        "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL, sentPlace = NULL WHERE seq = ?"
+      )
+      .execute(arguments: [seq])
     }
   }
 

@@ -206,7 +206,7 @@ public final class IndexStore: @unchecked Sendable {
             item INTEGER PRIMARY KEY REFERENCES items(id) ON DELETE CASCADE, revision INTEGER NOT NULL)
           """)
     }
-    // Where the user saw an item they deleted, and its mode (`DeletedPlace`, JSON): a newer
+    // Where the user saw an item they deleted, and its mode (`ItemPlace`, JSON): a newer
     // version of this device's own that the delete meets is the one they deleted only if it
     // is still there so.
     m.registerMigration("v16-delete-seen-place") { db in
@@ -217,6 +217,11 @@ public final class IndexStore: @unchecked Sendable {
     // was lost.
     m.registerMigration("v17-commit-sent-revision") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN commitSentRevision INTEGER")
+    }
+    // Where an item was when the oldest of its commits with no answer yet was sent
+    // (`markCommitsSent`, `QueueEntry.unansweredPlace`).
+    m.registerMigration("v18-sent-place") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN sentPlace TEXT")
     }
     return m
   }
@@ -541,7 +546,8 @@ public final class IndexStore: @unchecked Sendable {
   /// Marks the entries of items with no confirmed upload as possibly in the cloud, durably, before
   /// their commits are sent, with the revision each item has then (`revisionMarkedSent`): one
   /// commit and one sync of the index for the whole batch, the sync outside the writer (nothing
-  /// if every item has been in the cloud).
+  /// if every item has been in the cloud). Every entry with no unanswered commit notes where its
+  /// item is (`QueueEntry.unansweredPlace`), in the same commit, not synced on its own.
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
     let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
@@ -555,8 +561,15 @@ public final class IndexStore: @unchecked Sendable {
     }
     // By position: the first uploads, those of them not marked yet.
     let (firstUploads, unmarked): (Int, Int) = counts.map { ($0[0], $0[1]) } ?? (0, 0)
-    if unmarked > 0 {
-      try write { db in
+    try write { db in
+      try db.execute(
+        sql: """
+          UPDATE uploadQueue SET sentPlace = (
+            SELECT json_object('parentID', p.itemID, 'name', i.name, 'mode', i.mode)
+            FROM items i JOIN items p ON p.id = i.parent WHERE i.id = uploadQueue.item)
+          WHERE item IN (\(marks)) AND sentPlace IS NULL
+          """, arguments: StatementArguments(items))
+      if unmarked > 0 {
         try db.execute(
           sql: """
             UPDATE uploadQueue SET commitSent = 1,
@@ -585,7 +598,7 @@ public final class IndexStore: @unchecked Sendable {
   /// `seen`: where the user saw the item when they deleted it (nil: not a user's delete).
   func enqueueDelete(
     _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false,
-    seen: DeletedPlace? = nil
+    seen: ItemPlace? = nil
   ) throws {
     let now = self.clock.nowNs()
     try db.cached(
@@ -604,11 +617,11 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Where row `row` is here, as a delete remembers it.
-  static func place(_ db: Database, of row: ItemRow) throws -> DeletedPlace? {
+  static func place(_ db: Database, of row: ItemRow) throws -> ItemPlace? {
     guard let parent = row.parent,
       let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
     else { return nil }
-    return DeletedPlace(parentID: parentID, name: row.name, mode: row.mode)
+    return ItemPlace(parentID: parentID, name: row.name, mode: row.mode)
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only. A re-armed entry

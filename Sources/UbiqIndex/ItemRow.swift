@@ -133,10 +133,17 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var deleteMaybeInCloud: Bool
   /// A delete of a file that had unresolved conflict versions.
   public var deleteKeepsVersions: Bool
-  /// A user's delete: where they saw the item (`DeletedPlace` as JSON).
+  /// A user's delete: where they saw the item (`ItemPlace` as JSON).
   public var deleteSeenPlace: String?
   /// A user's delete: where they saw the item.
-  public var deletedPlace: DeletedPlace? { deleteSeenPlace.flatMap(DeletedPlace.init(json:)) }
+  public var deletedPlace: ItemPlace? { deleteSeenPlace.flatMap(ItemPlace.init(json:)) }
+  /// Where the item was when the oldest of its commits with no answer yet was sent
+  /// (`ItemPlace` as JSON); cleared when a commit of it is stored.
+  public var sentPlace: String?
+  /// Where the item was, and its mode, when the oldest of its commits with no answer yet was
+  /// sent: a version in the cloud at that place and mode may be that commit, stored with its
+  /// reply lost, so a local place or mode that differs from it is newer than that version.
+  public var unansweredPlace: ItemPlace? { sentPlace.flatMap(ItemPlace.init(json:)) }
   public var enqueuedNs: Int64
   public var attempts: Int
   public var nextAttemptNs: Int64
@@ -144,11 +151,12 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var lastErrno: Int32?
 }
 
-/// Where a user saw an item when they deleted it: its folder's item id, its name, its mode.
-/// A newer version of the item that this device wrote, which the delete meets in the cloud, is
-/// the one the user deleted only if it is still so (another device's rename or mode change,
-/// merged into it, wins over the delete).
-public struct DeletedPlace: Codable, Sendable, Equatable {
+/// Where an item was, as this device saw or sent it: its folder's item id, its name, its mode.
+/// A user's delete remembers it: a newer version of the item that this device wrote, which the
+/// delete meets in the cloud, is the one the user deleted only if it is still so (another
+/// device's rename or mode change, merged into it, wins over the delete). A commit sent with no
+/// answer yet remembers it too (`QueueEntry.unansweredPlace`).
+public struct ItemPlace: Codable, Sendable, Equatable {
   public var parentID: String
   public var name: String
   public var mode: UInt32

@@ -1,5 +1,6 @@
 import Foundation
 import UbiqCore
+import UbiqIndex
 
 /// Three-way merge of an item after a stale-etag rejection: each field group (place, mode,
 /// xattrs, content) comes from the side that changed it since the common base. When both sides
@@ -30,9 +31,12 @@ public enum ConflictMerge {
   }
 
   /// The merged record. `newVersionID` names this device's content if it loses and is kept as
-  /// a conflict version (a fresh identifier; unused otherwise).
+  /// a conflict version (a fresh identifier; unused otherwise). `unanswered`: where the item
+  /// was when the oldest of this device's commits of it with no answer was sent
+  /// (`QueueEntry.unansweredPlace`).
   public static func merge(
-    local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String, newVersionID: String
+    local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String, newVersionID: String,
+    unanswered: ItemPlace? = nil
   ) -> CloudItem {
     // Edited here, deleted there: the edit wins and brings the item back.
     if server.deleted {
@@ -52,13 +56,21 @@ public enum ConflictMerge {
     // A temporary name this device's own earlier commit took in the cloud while the item moved
     // (`ItemName.aside`) is no user's place either: the local place is where the user put it.
     let serverAside = server.deviceID == deviceID && ItemName.isAside(server.name, itemID: server.itemID)
-    let placeChanged = base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true
+    // A place (or mode) the cloud has that this device sent in a commit whose answer never
+    // came is this device's own earlier change, stored with its reply lost: where the item has
+    // moved (or changed mode) here since, the local one is newer than the cloud's.
+    let sentPlaceStored = unanswered.map { $0.parentID == server.parentID && $0.name == server.name } ?? false
+    let movedSinceSent =
+      unanswered.map { sentPlaceStored && ($0.parentID != local.parentID || $0.name != local.name) } ?? false
+    let modeChangedSinceSent = unanswered.map { $0.mode == server.mode && $0.mode != local.mode } ?? false
+    let placeChanged =
+      (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true) || movedSinceSent
     let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
     if serverAside || (placeChanged && !(local.settledNameOf != nil && serverPlaceChanged)) {
       out.parentID = local.parentID
       out.name = local.name
     }
-    if base.map({ $0.mode != local.mode }) ?? true { out.mode = local.mode }
+    if base.map({ $0.mode != local.mode }) ?? true || modeChangedSinceSent { out.mode = local.mode }
     if base.map({ $0.xattrs != local.xattrs }) ?? true { out.xattrs = local.xattrs }
     if local.kind == .symlink, base.map({ $0.symlinkTarget != local.symlinkTarget }) ?? true {
       out.symlinkTarget = local.symlinkTarget

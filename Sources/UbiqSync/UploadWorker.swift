@@ -915,7 +915,7 @@ public final class UploadWorker: @unchecked Sendable {
           ?? (row.etag == nil && index.revisionMarkedSent(seq: entry.seq) == row.revision ? local : nil)
         item = ConflictMerge.merge(
           local: local, base: base, server: current, deviceID: deviceID,
-          newVersionID: index.identifiers.next())
+          newVersionID: index.identifiers.next(), unanswered: entry.unansweredPlace)
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
         if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }

@@ -2,6 +2,7 @@ import Foundation
 import PropertyBased
 import Testing
 import UbiqCore
+import UbiqIndex
 
 @testable import UbiqSync
 
@@ -114,6 +115,34 @@ import UbiqCore
     let renamedThere = ConflictMerge.merge(
       local: base, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(renamedThere.name == aside.name && renamedThere.parentID == "folder-d")
+  }
+
+  /// A commit that moved the item (and changed its mode) reached the cloud with its reply
+  /// lost; the user then moved it back (and changed the mode back). The cloud's place and mode
+  /// are this device's own earlier ones: the merge keeps the local ones, newer, although they
+  /// are the base's. A place or mode the cloud has that this device did not send is another
+  /// device's change, and wins over an unchanged local one.
+  @Test func aPlaceThisDeviceSentWithItsReplyLostIsOlderThanTheLocalOne() {
+    let base = Self.file("base", mtimeNs: 1, by: "device-a", etag: "3")
+    var sent = base
+    sent.name = "d"
+    sent.mode = 0o600
+    sent.etag = "4"
+    let unanswered = ItemPlace(parentID: WellKnownItem.documents, name: "d", mode: 0o600)
+    let movedBack = ConflictMerge.merge(
+      local: base, base: base, server: sent, deviceID: "device-a", newVersionID: Self.versionID,
+      unanswered: unanswered)
+    #expect(movedBack.name == "f" && movedBack.mode == 0o644, "the local place and mode are newer")
+    #expect(movedBack.conflicts == nil)
+
+    var theirs = sent
+    theirs.name = "g"
+    theirs.mode = 0o640
+    theirs.deviceID = "device-b"
+    let movedThere = ConflictMerge.merge(
+      local: base, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID,
+      unanswered: unanswered)
+    #expect(movedThere.name == "g" && movedThere.mode == 0o640, "another device's change wins")
   }
 
   /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed

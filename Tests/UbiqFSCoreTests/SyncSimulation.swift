@@ -1763,6 +1763,11 @@ final class SyncSimulation {
       (2, 8, 0, 0, 0), (1, 18, 7, 13, 0), (1, 20, 2, 2, 0), (0, 6, 2, 2, 0), (1, 4, 3, 2, 0), (0, 18, 7, 9, 0),
       (1, 20, 2, 2, 0),
     ],
+    // Device 1 renames f to d; the commit reaches the cloud but its reply is lost. It writes a
+    // new f, and while that is uploaded renames d back over it. The cloud's d is device 1's own
+    // unanswered commit: the retry's merge keeps the local name, newer, although it is the
+    // base's (the rename check; found by CI, seed eLATlmO4URHhl3C3nboEK3iEWtrWcoEM6h/pUR4pHTM=).
+    [(1, 0, 0, 0, 0), (1, 6, 0, 1, 0), (1, 5, 0, 2, 0), (1, 19, 0, 0, 21), (1, 0, 0, 0, 0), (1, 23, 2, 0, 1885)],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed

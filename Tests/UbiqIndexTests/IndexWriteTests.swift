@@ -240,10 +240,41 @@ import Testing
     #expect(try index.queueEntry(forInode: file)?.lastErrno == EINVAL)
   }
 
+  /// Before a batch is sent, each entry notes where its item is, unless an earlier commit of it
+  /// is still unanswered (a cloud version at that place may be that commit): a later move keeps
+  /// the older place. A stored commit of the entry clears it.
+  @Test func anEntryKeepsThePlaceOfItsOldestUnansweredCommit() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let file = try #require(try index.create(parent: docs, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let documentsID = try #require(try index.item(docs)?.itemID)
+    #expect(try index.queueEntry(forInode: file)?.unansweredPlace == nil)
+    try index.markCommitsSent(items: [file])
+    let sentAtF = ItemPlace(parentID: documentsID, name: "f", mode: 0o644)
+    #expect(try index.queueEntry(forInode: file)?.unansweredPlace == sentAtF)
+    _ = try index.rename(parent: docs, name: "f", newParent: docs, newName: "g", mode: .replace)
+    try index.markCommitsSent(items: [file])
+    let entry = try #require(try index.queueEntry(forInode: file))
+    #expect(entry.unansweredPlace == sentAtF, "the older unanswered commit's place stays")
+    // A commit of the revision before the rename is stored: the entry stays queued, answered.
+    let row = try #require(try index.item(file))
+    var stored = CloudItem(
+      itemID: row.itemID, parentID: documentsID, name: "f", kind: .file, mode: 0o644, size: 0, mtimeNs: 0, etag: "1",
+      deviceID: "device-a")
+    stored.changeSeq = 1
+    try index.markUploaded(
+      seq: entry.seq, inode: file, itemID: row.itemID, revision: row.revision - 1, result: stored)
+    let answered = try #require(try index.queueEntry(forInode: file))
+    #expect(answered.unansweredPlace == nil, "\(answered)")
+    try index.markCommitsSent(items: [file])
+    #expect(try index.queueEntry(forInode: file)?.unansweredPlace?.name == "g")
+  }
+
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
   /// where it is where they saw it, or at a temporary name it took while it moved, with their mode.
-  @Test func aDeletedPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
-    let seen = DeletedPlace(parentID: "folder-d", name: "f", mode: 0o644)
+  @Test func anItemPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
+    let seen = ItemPlace(parentID: "folder-d", name: "f", mode: 0o644)
     var version = CloudItem(
       itemID: "0000000f-0000-4000-8000-00000000000f", parentID: "folder-d", name: "f", kind: .file, mode: 0o644,
       size: 0, mtimeNs: 1, deviceID: "device-a")
