@@ -199,6 +199,10 @@ extension IndexStore {
     }
   }
 
+  /// SQL condition on the items row `i`: it is in another folder here than in its base (the
+  /// cloud's version this device last saw), so a queued change of it moves it there.
+  static let movedHereSQL = "json_extract(i.base, '$.parentID') IS NOT (SELECT itemID FROM items WHERE id = i.parent)"
+
   /// Whether an entry other than `seq` will take item `itemID` out of folder `folderItemID`,
   /// which the cloud has it in: its delete, or a change of an item this device put there or
   /// knew there (the folder's delete is queued, so the item is elsewhere here: the change moves
@@ -224,7 +228,7 @@ extension IndexStore {
           SELECT 1 FROM items i JOIN uploadQueue q ON q.item = i.id
           WHERE i.itemID = ?1 AND q.seq != ?2 AND q.lastErrno IS NOT ?3
             AND (?5 OR json_extract(i.base, '$.parentID') = ?4
-              OR json_extract(i.base, '$.parentID') IS NOT (SELECT itemID FROM items WHERE id = i.parent)
+              OR \(Self.movedHereSQL)
               OR (json_extract(i.base, '$.name') IS NOT i.name
                 AND NOT EXISTS(SELECT 1 FROM automaticRenames a WHERE a.item = i.id AND a.revision = i.revision)))
           LIMIT 1

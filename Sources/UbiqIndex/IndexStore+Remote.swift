@@ -284,7 +284,7 @@ extension IndexStore {
               """
               SELECT 1 FROM uploadQueue q JOIN items i ON i.id = q.item
               WHERE q.item = ? AND q.lastErrno IS NOT ?
-                AND json_extract(i.base, '$.parentID') IS NOT (SELECT itemID FROM items WHERE id = i.parent)
+                AND \(Self.movedHereSQL)
               """), arguments: [folder, EINVAL]) == true
         })
       guard let plan else { return nil }
