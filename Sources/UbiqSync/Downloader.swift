@@ -82,9 +82,10 @@ public final class ContentStream: @unchecked Sendable {
   private var failure: UbiqError?
   private var isFinished = false
   private var endingStarted = false
-  /// The monotonic time until which the bandwidth cap holds a fetch of this download back: a
-  /// reader's stall timeout counts from then, not from the last chunk that arrived.
-  private var pacedUntilNs: UInt64 = 0
+  /// For each chunk, the monotonic time the bandwidth cap lets its fetch start (0: not booked):
+  /// a reader's stall timeout counts from the latest of the chunks it waits for, not from the
+  /// last chunk that arrived nor from chunks booked after them.
+  private var pacedStartNs: [UInt64]
   /// Set when the download must stop: the file's content was replaced locally (truncate,
   /// O_TRUNC), the item went away, or the last handle reading it closed. No chunk may land in
   /// the cache file after that; waiting readers read the file as it is.
@@ -110,6 +111,7 @@ public final class ContentStream: @unchecked Sendable {
     offsets = offs
     self.fd = fd
     done = Array(repeating: false, count: chunks.count)
+    pacedStartNs = Array(repeating: 0, count: chunks.count)
   }
 
   public var finished: Bool { cond.withLock { isFinished } }
@@ -169,14 +171,12 @@ public final class ContentStream: @unchecked Sendable {
   /// Asks for every chunk.
   func requestWholeFile() { cond.withLock { wholeFile = true } }
 
-  /// A fetch of this download may start only at `ns` (monotonic), when the bandwidth cap has
-  /// room for it.
-  func pacedUntil(_ ns: UInt64) { cond.withLock { pacedUntilNs = max(pacedUntilNs, ns) } }
+  /// The fetch of chunk `i` may start only at `ns` (monotonic), when the bandwidth cap has room
+  /// for it.
+  func paced(chunk i: Int, until ns: UInt64) {
+    cond.withLock { if pacedStartNs.indices.contains(i) { pacedStartNs[i] = ns } }
+  }
 
-  /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
-  /// `stallTimeoutNs` (after the bandwidth cap let the last one start), or the caller was
-  /// interrupted. A range that reaches the end of the file, once every chunk is here, also waits until the download is finished (made durable and
-  /// recorded), so a reader that read the whole file then sees it downloaded.
   /// True if a read of [off, off+len) would not wait: the range is here, or the download
   /// stopped (the read takes the file as it is).
   func isReadable(_ off: Int64, _ len: Int) -> Bool {
@@ -191,6 +191,11 @@ public final class ContentStream: @unchecked Sendable {
     range.contains(where: { !done[$0] }) || (toEnd && doneCount == chunks.count && !isFinished)
   }
 
+  /// Blocks until [off, off+len) is present, or the download failed, or no chunk arrived for
+  /// `stallTimeoutNs` (counted from when the bandwidth cap lets the last of the range's missing
+  /// chunks start), or the caller was interrupted. A range that reaches the end of the file,
+  /// once every chunk is here, also waits until the download is finished (made durable and
+  /// recorded), so a reader that read the whole file then sees it downloaded.
   func waitForRange(_ off: Int64, _ len: Int, stallTimeoutNs: UInt64, interruption: Interruption?) throws {
     let range = chunkRange(off, len)
     let toEnd = off.addingReportingOverflow(Int64(len)).partialValue >= size
@@ -212,7 +217,8 @@ public final class ContentStream: @unchecked Sendable {
           if !range.contains(where: { !self.done[$0] }) { return }
           // A fetch the bandwidth cap holds back is no stall: its time starts when it may go.
           let now = Clock.monotonicNs()
-          let pacedDeadline = self.pacedUntilNs.addingReportingOverflow(stallTimeoutNs)
+          let pacedUntil = range.lazy.filter { !self.done[$0] }.map { self.pacedStartNs[$0] }.max() ?? 0
+          let pacedDeadline = pacedUntil.addingReportingOverflow(stallTimeoutNs)
           if !pacedDeadline.overflow && pacedDeadline.partialValue > now {
             deadline = Date(timeIntervalSinceNow: Double(pacedDeadline.partialValue - now) / 1e9)
             continue
@@ -763,7 +769,7 @@ public final class Downloader: @unchecked Sendable {
         if let limiter, !booked {
           booked = true
           let startAt = limiter.reserve(Int(clamping: chunk.length))
-          s.pacedUntil(startAt)
+          s.paced(chunk: i, until: startAt)
           let now = Clock.monotonicNs()
           if startAt > now { try? await Task.sleep(nanoseconds: startAt - now) }
           if s.stopped { return false }

@@ -133,6 +133,42 @@ import UbiqIndex
     }
   }
 
+  /// Under a bandwidth cap, a cloud that stops answering is found a stall timeout after the
+  /// chunk the reader waits for may start, not after the chunks booked behind it: a pinned
+  /// file's fetch books several chunks ahead, each its share of the cap after the one before.
+  @Test func aHungCloudIsFoundAStallAfterTheChunkTheReaderWaitsFor() async throws {
+    try await onOwnThread {
+      let data = Self.noise(6 << 20, seed: 46)
+      let (a, b, cloud) = try Self.evictedOnB(["capped": data])
+      defer { withExtendedLifetime(a) {} }
+      defer { cloud.chunkReadsHang = false }
+      let inode = try b.inode("capped")!
+      let chunks = try b.index.item(inode)!.chunkList
+      // A second chunk of 1 MiB or more: the third may start 2 s or more after it.
+      try checkThat(chunks.count >= 3 && chunks[1].length >= 1 << 20, "chunks: \(chunks.map(\.length))")
+      let rate: Int64 = 512 << 10
+      b.downloader.limiter = RateLimiter(bytesPerSecond: rate)
+      b.downloader.stallTimeoutNs = 500_000_000
+      let start = Date()
+      // The whole file is wanted (a pinned file's new version): its first chunk goes at once,
+      // then the next ones are booked.
+      try b.index.setPinned(inode, true)
+      b.downloader.fetchInBackground(inode)
+      try Self.waitUntil("the first chunk is here") { b.downloader.bytesFetched >= chunks[0].length }
+      cloud.chunkReadsHang = true
+      let h = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      defer { b.core.release(h) }
+      #expect(throws: UbiqError.self) { try b.core.read(h, offset: chunks[0].length, size: 4096) }
+      let elapsed = Date().timeIntervalSince(start)
+      // The second chunk may start the first's share of the cap after it; the third, the
+      // second's share after that.
+      let thirdMayStart = Double(chunks[0].length + chunks[1].length) / Double(rate)
+      #expect(
+        elapsed < thirdMayStart,
+        "the reader failed after \(elapsed) s; chunks \(chunks.map(\.length)) at \(rate) bytes/s")
+    }
+  }
+
   @Test func aReadAtTheEndOfAnEvictedFileFetchesOnlyWhatItReads() async throws {
     try await onOwnThread {
       let data = Self.noise(9 << 20, seed: 11)
