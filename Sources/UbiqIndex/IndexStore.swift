@@ -527,11 +527,12 @@ public final class IndexStore: @unchecked Sendable {
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
     let attempted = try Self.uploadAttempted(db, row)
     let seen = try Self.place(db, of: row)
+    let sent = try Self.sentPlace(db, of: row.id)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
       try enqueueDelete(
         db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty,
-        seen: seen)
+        seen: seen, sentPlace: sent)
     }
   }
 
@@ -596,24 +597,33 @@ public final class IndexStore: @unchecked Sendable {
   /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
   /// `keepsVersions`: the file had unresolved conflict versions (see `UploadWorker`).
   /// `seen`: where the user saw the item when they deleted it (nil: not a user's delete).
+  /// `sentPlace`: the item's upload entry's `sentPlace` (where it was when the oldest of its
+  /// unanswered commits was sent, `QueueEntry.unansweredPlace`), read before that entry goes.
   func enqueueDelete(
     _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false,
-    seen: ItemPlace? = nil
+    seen: ItemPlace? = nil, sentPlace: String? = nil
   ) throws {
     let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud,
-        deleteKeepsVersions, deleteSeenPlace)
-      VALUES (?, ?, ?, ?, ?, ?, ?)
+        deleteKeepsVersions, deleteSeenPlace, sentPlace)
+      VALUES (?, ?, ?, ?, ?, ?, ?, ?)
       ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag),
         deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud),
         deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions),
-        deleteSeenPlace = COALESCE(excluded.deleteSeenPlace, deleteSeenPlace)
+        deleteSeenPlace = COALESCE(excluded.deleteSeenPlace, deleteSeenPlace),
+        sentPlace = COALESCE(sentPlace, excluded.sentPlace)
       """
     ).execute(arguments: [
-      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json),
+      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json), sentPlace,
     ])
+  }
+
+  /// The `sentPlace` of the upload entry of row `id` (`QueueEntry.unansweredPlace`, as JSON).
+  static func sentPlace(_ db: Database, of id: Int64?) throws -> String? {
+    guard let id else { return nil }
+    return try String.fetchOne(db.cached("SELECT sentPlace FROM uploadQueue WHERE item = ?"), arguments: [id])
   }
 
   /// Where row `row` is here, as a delete remembers it.
@@ -715,6 +725,7 @@ public final class IndexStore: @unchecked Sendable {
             if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
           }
           let dstMaybeInCloud = try Self.uploadAttempted(db, dst)
+          let dstSent = try Self.sentPlace(db, of: dstID)
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
@@ -724,7 +735,7 @@ public final class IndexStore: @unchecked Sendable {
             // Both files' conflict versions stay with it: the source's item is deleted.
             try self.enqueueDelete(
               db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src),
-              seen: try Self.place(db, of: src))
+              seen: try Self.place(db, of: src), sentPlace: try Self.sentPlace(db, of: srcID))
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
@@ -742,7 +753,7 @@ public final class IndexStore: @unchecked Sendable {
           } else {
             try self.enqueueDelete(
               db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud,
-              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst))
+              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst), sentPlace: dstSent)
           }
         }
       }

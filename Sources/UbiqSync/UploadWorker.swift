@@ -580,9 +580,10 @@ public final class UploadWorker: @unchecked Sendable {
         // deleted already, or its tombstone was recorded above). A newer version of this
         // device's own (a commit whose answer was lost or held back in the network, which the
         // user deleted knowingly) does not stop the delete: it is sent again on that version,
-        // at most a few times. Only if it is where and as the user saw the item: a merge this
-        // device committed may carry another device's rename or mode change, which wins over
-        // the delete. Nor does a version that differs from the deleted one only by a name
+        // at most a few times. Only if it is where and as the user saw the item, or where and as
+        // it was when the oldest of its commits with no answer was sent (the user moved it
+        // since): a merge this device committed may carry another device's rename or mode
+        // change, which wins over the delete. Nor does a version that differs from the deleted one only by a name
         // another device's sync chose (`settledNameOf`): no user's change. As for any delete,
         // other devices' unresolved conflict versions of the file are kept.
         var newerVersionsPassed = 0
@@ -602,7 +603,7 @@ public final class UploadWorker: @unchecked Sendable {
             let settledElsewhere = current.settledNameOf == ifMatch
             let ownAsSeen =
               current.deviceID == deviceID && current.contentAuthor == deviceID
-              && entry.deletedPlace?.matches(current) == true
+              && (entry.deletedPlace?.matches(current) == true || entry.unansweredPlace?.matches(current) == true)
             if (settledElsewhere || ownAsSeen) && newerVersionsPassed < 3 {
               newerVersionsPassed += 1
               if settledElsewhere {

@@ -1768,6 +1768,16 @@ final class SyncSimulation {
     // unanswered commit: the retry's merge keeps the local name, newer, although it is the
     // base's (the rename check; found by CI, seed eLATlmO4URHhl3C3nboEK3iEWtrWcoEM6h/pUR4pHTM=).
     [(1, 0, 0, 0, 0), (1, 6, 0, 1, 0), (1, 5, 0, 2, 0), (1, 19, 0, 0, 21), (1, 0, 0, 0, 0), (1, 23, 2, 0, 1885)],
+    // Device 1 moves d/e into e; the commit reaches the cloud with its reply lost. It moves
+    // the folder back into d and removes d; device 0 removed d too. Device 1's delete meets
+    // its own version in e: where the folder was when that unanswered commit was sent, so
+    // the delete is sent again on it and the folder stays deleted, instead of coming back as
+    // e/e (the zombie check; found by the folder soak, seed
+    // EUVzvhURmhgVD7WdHYTLbipkgv4sGB5euD80CCVbiEI=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 18, 7, 3, 0), (1, 19, 2, 2, 5), (0, 4, 2, 2, 0), (1, 18, 11, 2, 0), (1, 4, 2, 2, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed

@@ -242,7 +242,8 @@ import Testing
 
   /// Before a batch is sent, each entry notes where its item is, unless an earlier commit of it
   /// is still unanswered (a cloud version at that place may be that commit): a later move keeps
-  /// the older place. A stored commit of the entry clears it.
+  /// the older place. A stored commit of the entry clears it. A delete of the item keeps the
+  /// note (its version in the cloud at that place is this device's own, not another's change).
   @Test func anEntryKeepsThePlaceOfItsOldestUnansweredCommit() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
@@ -269,6 +270,13 @@ import Testing
     #expect(answered.unansweredPlace == nil, "\(answered)")
     try index.markCommitsSent(items: [file])
     #expect(try index.queueEntry(forInode: file)?.unansweredPlace?.name == "g")
+    _ = try index.remove(parent: docs, name: "g", directory: false)
+    let delete = try index.pool.read { db in
+      try QueueEntry.fetchOne(db, sql: "SELECT * FROM uploadQueue WHERE deleteItemID = ?", arguments: [row.itemID])
+    }
+    #expect(
+      delete?.unansweredPlace == ItemPlace(parentID: documentsID, name: "g", mode: 0o644),
+      "\(String(describing: delete))")
   }
 
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
