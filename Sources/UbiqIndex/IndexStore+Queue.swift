@@ -193,9 +193,33 @@ extension IndexStore {
     } else {
       // The stored version is now the base: no earlier commit of the entry is unanswered.
       try db.cached(
-        "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL, sentPlace = NULL WHERE seq = ?"
+        "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL, sentPlaces = NULL WHERE seq = ?"
       )
       .execute(arguments: [seq])
+    }
+  }
+
+  /// How many places `noteSent` keeps per entry (the latest).
+  static let maxSentPlaces = 8
+
+  /// Notes, before commits are sent, where each item is in the version sent, and its mode
+  /// (`QueueEntry.unansweredPlaces`): the local side of the commit, not a merge's place or mode
+  /// taken from the cloud. Only places and modes that differ from the item's base are noted:
+  /// a commit at the base's place and mode changes neither. Not synced on its own: a note a
+  /// power loss takes only leaves the merge without it.
+  public func noteSent(_ sent: [(seq: Int64, place: ItemPlace)]) throws {
+    if sent.isEmpty { return }
+    try write { db in
+      for (seq, place) in sent {
+        guard
+          let entry = try QueueEntry.fetchOne(db.cached("SELECT * FROM uploadQueue WHERE seq = ?"), arguments: [seq])
+        else { continue }
+        var places = entry.unansweredPlaces
+        if places.contains(place) { continue }
+        places.append(place)
+        try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE seq = ?").execute(
+          arguments: [ItemRow.json(Array(places.suffix(Self.maxSentPlaces))), seq])
+      }
     }
   }
 

@@ -218,10 +218,10 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v17-commit-sent-revision") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN commitSentRevision INTEGER")
     }
-    // Where an item was when the oldest of its commits with no answer yet was sent
-    // (`markCommitsSent`, `QueueEntry.unansweredPlace`).
-    m.registerMigration("v18-sent-place") { db in
-      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN sentPlace TEXT")
+    // Where an item was in the commits of it sent since its last stored one (`noteSent`,
+    // `QueueEntry.unansweredPlaces`).
+    m.registerMigration("v18-sent-places") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN sentPlaces TEXT")
     }
     return m
   }
@@ -527,12 +527,12 @@ public final class IndexStore: @unchecked Sendable {
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
     let attempted = try Self.uploadAttempted(db, row)
     let seen = try Self.place(db, of: row)
-    let sent = try Self.sentPlace(db, of: row.id)
+    let sent = try Self.sentPlaces(db, of: row.id)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
       try enqueueDelete(
         db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty,
-        seen: seen, sentPlace: sent)
+        seen: seen, sentPlaces: sent)
     }
   }
 
@@ -547,8 +547,7 @@ public final class IndexStore: @unchecked Sendable {
   /// Marks the entries of items with no confirmed upload as possibly in the cloud, durably, before
   /// their commits are sent, with the revision each item has then (`revisionMarkedSent`): one
   /// commit and one sync of the index for the whole batch, the sync outside the writer (nothing
-  /// if every item has been in the cloud). Every entry with no unanswered commit notes where its
-  /// item is (`QueueEntry.unansweredPlace`), in the same commit, not synced on its own.
+  /// if every item has been in the cloud).
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
     let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
@@ -562,15 +561,8 @@ public final class IndexStore: @unchecked Sendable {
     }
     // By position: the first uploads, those of them not marked yet.
     let (firstUploads, unmarked): (Int, Int) = counts.map { ($0[0], $0[1]) } ?? (0, 0)
-    try write { db in
-      try db.execute(
-        sql: """
-          UPDATE uploadQueue SET sentPlace = (
-            SELECT json_object('parentID', p.itemID, 'name', i.name, 'mode', i.mode)
-            FROM items i JOIN items p ON p.id = i.parent WHERE i.id = uploadQueue.item)
-          WHERE item IN (\(marks)) AND sentPlace IS NULL
-          """, arguments: StatementArguments(items))
-      if unmarked > 0 {
+    if unmarked > 0 {
+      try write { db in
         try db.execute(
           sql: """
             UPDATE uploadQueue SET commitSent = 1,
@@ -597,33 +589,33 @@ public final class IndexStore: @unchecked Sendable {
   /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
   /// `keepsVersions`: the file had unresolved conflict versions (see `UploadWorker`).
   /// `seen`: where the user saw the item when they deleted it (nil: not a user's delete).
-  /// `sentPlace`: the item's upload entry's `sentPlace` (where it was when the oldest of its
-  /// unanswered commits was sent, `QueueEntry.unansweredPlace`), read before that entry goes.
+  /// `sentPlaces`: the item's upload entry's (`QueueEntry.unansweredPlaces`, as JSON), read
+  /// before that entry goes.
   func enqueueDelete(
     _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false,
-    seen: ItemPlace? = nil, sentPlace: String? = nil
+    seen: ItemPlace? = nil, sentPlaces: String? = nil
   ) throws {
     let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(deleteItemID, deleteEtag, enqueuedNs, nextAttemptNs, deleteMaybeInCloud,
-        deleteKeepsVersions, deleteSeenPlace, sentPlace)
+        deleteKeepsVersions, deleteSeenPlace, sentPlaces)
       VALUES (?, ?, ?, ?, ?, ?, ?, ?)
       ON CONFLICT(deleteItemID) DO UPDATE SET deleteEtag = COALESCE(excluded.deleteEtag, deleteEtag),
         deleteMaybeInCloud = max(deleteMaybeInCloud, excluded.deleteMaybeInCloud),
         deleteKeepsVersions = max(deleteKeepsVersions, excluded.deleteKeepsVersions),
         deleteSeenPlace = COALESCE(excluded.deleteSeenPlace, deleteSeenPlace),
-        sentPlace = COALESCE(sentPlace, excluded.sentPlace)
+        sentPlaces = COALESCE(excluded.sentPlaces, sentPlaces)
       """
     ).execute(arguments: [
-      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json), sentPlace,
+      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json), sentPlaces,
     ])
   }
 
-  /// The `sentPlace` of the upload entry of row `id` (`QueueEntry.unansweredPlace`, as JSON).
-  static func sentPlace(_ db: Database, of id: Int64?) throws -> String? {
+  /// The `sentPlaces` of the upload entry of row `id` (`QueueEntry.unansweredPlaces`, as JSON).
+  static func sentPlaces(_ db: Database, of id: Int64?) throws -> String? {
     guard let id else { return nil }
-    return try String.fetchOne(db.cached("SELECT sentPlace FROM uploadQueue WHERE item = ?"), arguments: [id])
+    return try String.fetchOne(db.cached("SELECT sentPlaces FROM uploadQueue WHERE item = ?"), arguments: [id])
   }
 
   /// Where row `row` is here, as a delete remembers it.
@@ -708,6 +700,7 @@ public final class IndexStore: @unchecked Sendable {
       let now = self.clock.nowNs()
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
       var replaced: ItemRow? = nil
+      var inheritedSentPlaces: String? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
       if let dstID, let dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
         switch mode {
@@ -725,7 +718,7 @@ public final class IndexStore: @unchecked Sendable {
             if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
           }
           let dstMaybeInCloud = try Self.uploadAttempted(db, dst)
-          let dstSent = try Self.sentPlace(db, of: dstID)
+          let dstSent = try Self.sentPlaces(db, of: dstID)
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
@@ -735,10 +728,11 @@ public final class IndexStore: @unchecked Sendable {
             // Both files' conflict versions stay with it: the source's item is deleted.
             try self.enqueueDelete(
               db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src),
-              seen: try Self.place(db, of: src), sentPlace: try Self.sentPlace(db, of: srcID))
+              seen: try Self.place(db, of: src), sentPlaces: try Self.sentPlaces(db, of: srcID))
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
+            inheritedSentPlaces = dstSent
             if src.content == .cached { src.chunks = dst.chunks }
             src.syncedRevision = 0
             try db.execute(
@@ -753,7 +747,7 @@ public final class IndexStore: @unchecked Sendable {
           } else {
             try self.enqueueDelete(
               db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud,
-              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst), sentPlace: dstSent)
+              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst), sentPlaces: dstSent)
           }
         }
       }
@@ -763,6 +757,11 @@ public final class IndexStore: @unchecked Sendable {
       try Self.touchDirectory(db, parent, now)
       if newParent != parent { try Self.touchDirectory(db, newParent, now) }
       try self.enqueueMoved(db, srcID, wasLocalOnly: wasLocalOnly)
+      // The identity taken over comes with the places its unanswered commits were sent with.
+      if let inheritedSentPlaces {
+        try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(
+          arguments: [inheritedSentPlaces, srcID])
+      }
       return RenameResult(
         moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
         replaced: replaced)

@@ -137,13 +137,15 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var deleteSeenPlace: String?
   /// A user's delete: where they saw the item.
   public var deletedPlace: ItemPlace? { deleteSeenPlace.flatMap(ItemPlace.init(json:)) }
-  /// Where the item was when the oldest of its commits with no answer yet was sent
-  /// (`ItemPlace` as JSON); cleared when a commit of it is stored.
-  public var sentPlace: String?
-  /// Where the item was, and its mode, when the oldest of its commits with no answer yet was
-  /// sent: a version in the cloud at that place and mode may be that commit, stored with its
-  /// reply lost, so a local place or mode that differs from it is newer than that version.
-  public var unansweredPlace: ItemPlace? { sentPlace.flatMap(ItemPlace.init(json:)) }
+  /// `unansweredPlaces` as a JSON array of `ItemPlace`.
+  public var sentPlaces: String?
+  /// The places and modes of the item in the commits of it sent since its last stored one
+  /// (`IndexStore.noteSent`): a version of this device's own in the cloud at such a place or
+  /// mode may be one of them, stored with its reply lost, so a local place or mode that
+  /// differs from it is newer than that version. Empty once a commit of the item is stored.
+  public var unansweredPlaces: [ItemPlace] {
+    sentPlaces.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []
+  }
   public var enqueuedNs: Int64
   public var attempts: Int
   public var nextAttemptNs: Int64
@@ -155,7 +157,7 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
 /// A user's delete remembers it: a newer version of the item that this device wrote, which the
 /// delete meets in the cloud, is the one the user deleted only if it is still so (another
 /// device's rename or mode change, merged into it, wins over the delete). A commit sent with no
-/// answer yet remembers it too (`QueueEntry.unansweredPlace`).
+/// answer yet remembers it too (`QueueEntry.unansweredPlaces`).
 public struct ItemPlace: Codable, Sendable, Equatable {
   public var parentID: String
   public var name: String

@@ -32,11 +32,11 @@ public enum ConflictMerge {
 
   /// The merged record. `newVersionID` names this device's content if it loses and is kept as
   /// a conflict version (a fresh identifier; unused otherwise). `unanswered`: where the item
-  /// was when the oldest of this device's commits of it with no answer was sent
-  /// (`QueueEntry.unansweredPlace`).
+  /// was, and its mode, in this device's commits of it sent since its last stored one
+  /// (`QueueEntry.unansweredPlaces`).
   public static func merge(
     local: CloudItem, base: CloudItem?, server: CloudItem, deviceID: String, newVersionID: String,
-    unanswered: ItemPlace? = nil
+    unanswered: [ItemPlace] = []
   ) -> CloudItem {
     // Edited here, deleted there: the edit wins and brings the item back.
     if server.deleted {
@@ -56,13 +56,15 @@ public enum ConflictMerge {
     // A temporary name this device's own earlier commit took in the cloud while the item moved
     // (`ItemName.aside`) is no user's place either: the local place is where the user put it.
     let serverAside = server.deviceID == deviceID && ItemName.isAside(server.name, itemID: server.itemID)
-    // A place (or mode) the cloud has that this device sent in a commit whose answer never
-    // came is this device's own earlier change, stored with its reply lost: where the item has
-    // moved (or changed mode) here since, the local one is newer than the cloud's.
-    let sentPlaceStored = unanswered.map { $0.parentID == server.parentID && $0.name == server.name } ?? false
+    // A place (or mode) that a version of this device's own in the cloud has, and that this
+    // device sent in a commit whose answer never came, is this device's own earlier change,
+    // stored with its reply lost: where the item has moved (or changed mode) here since, the
+    // local one is newer than the cloud's.
+    let ownSent = server.deviceID == deviceID ? unanswered : []
     let movedSinceSent =
-      unanswered.map { sentPlaceStored && ($0.parentID != local.parentID || $0.name != local.name) } ?? false
-    let modeChangedSinceSent = unanswered.map { $0.mode == server.mode && $0.mode != local.mode } ?? false
+      ownSent.contains { $0.parentID == server.parentID && $0.name == server.name }
+      && (local.parentID != server.parentID || local.name != server.name)
+    let modeChangedSinceSent = ownSent.contains { $0.mode == server.mode } && local.mode != server.mode
     let placeChanged =
       (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true) || movedSinceSent
     let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true

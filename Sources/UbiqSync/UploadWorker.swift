@@ -451,6 +451,7 @@ public final class UploadWorker: @unchecked Sendable {
       }
       let inodes = Set(unchanged.map(\.inode))
       lock.withLock { committing.formUnion(inodes) }
+      noteSent(unchanged.map { ($0.entry.seq, $0.version, $0.prepared.snapshot.row.baseItem) })
       let results: ItemBatchResults
       do {
         results = try await cloud.putItems(
@@ -603,7 +604,8 @@ public final class UploadWorker: @unchecked Sendable {
             let settledElsewhere = current.settledNameOf == ifMatch
             let ownAsSeen =
               current.deviceID == deviceID && current.contentAuthor == deviceID
-              && (entry.deletedPlace?.matches(current) == true || entry.unansweredPlace?.matches(current) == true)
+              && (entry.deletedPlace?.matches(current) == true
+                || entry.unansweredPlaces.contains { $0.matches(current) })
             if (settledElsewhere || ownAsSeen) && newerVersionsPassed < 3 {
               newerVersionsPassed += 1
               if settledElsewhere {
@@ -831,11 +833,32 @@ public final class UploadWorker: @unchecked Sendable {
     return inodes.isSnapshotIntact(inode, token) ? found : .heldByAWriter
   }
 
+  /// Notes the places and modes of versions about to be sent that differ from their bases
+  /// (`IndexStore.noteSent`), so that a later merge or delete knows such a version of this
+  /// device's own in the cloud for what it is if the reply is lost. A note that cannot be
+  /// written leaves only that knowledge out: the versions are sent anyway.
+  func noteSent(_ versions: [(seq: Int64, version: CloudItem, base: CloudItem?)]) {
+    let places = versions.compactMap { seq, version, base -> (seq: Int64, place: ItemPlace)? in
+      guard let base, let parentID = version.parentID,
+        base.parentID != version.parentID || base.name != version.name || base.mode != version.mode
+      else { return nil }
+      return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode))
+    }
+    do {
+      try index.noteSent(places)
+    } catch {
+      log.warning("upload queue: cannot note the places of \(places.count) commits: \(error)")
+    }
+  }
+
   /// Commits a prepared item version (If-Match its etag), merging on conflict.
   func commit(_ entry: QueueEntry, _ inode: Int64, _ p: PreparedUpload) async throws {
     let row = p.snapshot.row
     let chunks = p.chunks
     let local = version(of: p)
+    // The local side of every commit below: a merge's place and mode from the cloud are not
+    // this device's change.
+    noteSent([(entry.seq, local, row.baseItem)])
     var item = local
     var ifMatch = row.etag
     var merged = false
@@ -916,7 +939,7 @@ public final class UploadWorker: @unchecked Sendable {
           ?? (row.etag == nil && index.revisionMarkedSent(seq: entry.seq) == row.revision ? local : nil)
         item = ConflictMerge.merge(
           local: local, base: base, server: current, deviceID: deviceID,
-          newVersionID: index.identifiers.next(), unanswered: entry.unansweredPlace)
+          newVersionID: index.identifiers.next(), unanswered: entry.unansweredPlaces)
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
         if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }

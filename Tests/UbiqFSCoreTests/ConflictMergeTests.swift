@@ -120,15 +120,18 @@ import UbiqIndex
   /// A commit that moved the item (and changed its mode) reached the cloud with its reply
   /// lost; the user then moved it back (and changed the mode back). The cloud's place and mode
   /// are this device's own earlier ones: the merge keeps the local ones, newer, although they
-  /// are the base's. A place or mode the cloud has that this device did not send is another
-  /// device's change, and wins over an unchanged local one.
+  /// are the base's. A place or mode the cloud has that this device did not send, or that
+  /// another device's version has, is that device's change, and wins over an unchanged local one.
   @Test func aPlaceThisDeviceSentWithItsReplyLostIsOlderThanTheLocalOne() {
     let base = Self.file("base", mtimeNs: 1, by: "device-a", etag: "3")
     var sent = base
     sent.name = "d"
     sent.mode = 0o600
     sent.etag = "4"
-    let unanswered = ItemPlace(parentID: WellKnownItem.documents, name: "d", mode: 0o600)
+    let unanswered = [
+      ItemPlace(parentID: WellKnownItem.documents, name: "e", mode: 0o644),
+      ItemPlace(parentID: WellKnownItem.documents, name: "d", mode: 0o600),
+    ]
     let movedBack = ConflictMerge.merge(
       local: base, base: base, server: sent, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)
@@ -143,6 +146,13 @@ import UbiqIndex
       local: base, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)
     #expect(movedThere.name == "g" && movedThere.mode == 0o640, "another device's change wins")
+
+    var sameThere = sent
+    sameThere.deviceID = "device-b"
+    let sameChange = ConflictMerge.merge(
+      local: base, base: base, server: sameThere, deviceID: "device-a", newVersionID: Self.versionID,
+      unanswered: unanswered)
+    #expect(sameChange.name == "d" && sameChange.mode == 0o600, "another device's version is its change")
   }
 
   /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed

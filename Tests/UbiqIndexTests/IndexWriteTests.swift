@@ -240,43 +240,56 @@ import Testing
     #expect(try index.queueEntry(forInode: file)?.lastErrno == EINVAL)
   }
 
-  /// Before a batch is sent, each entry notes where its item is, unless an earlier commit of it
-  /// is still unanswered (a cloud version at that place may be that commit): a later move keeps
-  /// the older place. A stored commit of the entry clears it. A delete of the item keeps the
-  /// note (its version in the cloud at that place is this device's own, not another's change).
-  @Test func anEntryKeepsThePlaceOfItsOldestUnansweredCommit() throws {
+  /// The places and modes of the commits sent since an entry's last stored one are kept, each
+  /// once, the latest few (`noteSent`); a stored commit of the entry clears them. A delete of
+  /// the item takes them with it (a version of this device's own at such a place is no other
+  /// device's change), and so does the file that takes over the item's identity by a rename
+  /// over it.
+  @Test func anEntryKeepsThePlacesOfItsUnansweredCommits() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
     let docs = try Self.documents(index)
     let file = try #require(try index.create(parent: docs, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
     let documentsID = try #require(try index.item(docs)?.itemID)
-    #expect(try index.queueEntry(forInode: file)?.unansweredPlace == nil)
-    try index.markCommitsSent(items: [file])
-    let sentAtF = ItemPlace(parentID: documentsID, name: "f", mode: 0o644)
-    #expect(try index.queueEntry(forInode: file)?.unansweredPlace == sentAtF)
-    _ = try index.rename(parent: docs, name: "f", newParent: docs, newName: "g", mode: .replace)
-    try index.markCommitsSent(items: [file])
     let entry = try #require(try index.queueEntry(forInode: file))
-    #expect(entry.unansweredPlace == sentAtF, "the older unanswered commit's place stays")
-    // A commit of the revision before the rename is stored: the entry stays queued, answered.
+    #expect(entry.unansweredPlaces.isEmpty)
+    let atD = ItemPlace(parentID: documentsID, name: "d", mode: 0o644)
+    let atE = ItemPlace(parentID: documentsID, name: "e", mode: 0o600)
+    try index.noteSent([(entry.seq, atD)])
+    try index.noteSent([(entry.seq, atE), (entry.seq, atD)])
+    #expect(try index.queueEntry(forInode: file)?.unansweredPlaces == [atD, atE])
+    for i in 0..<20 {
+      try index.noteSent([(entry.seq, ItemPlace(parentID: documentsID, name: "n\(i)", mode: 0o644))])
+    }
+    let kept = try #require(try index.queueEntry(forInode: file)).unansweredPlaces
+    #expect(kept.count == IndexStore.maxSentPlaces && kept.last?.name == "n19", "the latest are kept: \(kept)")
+    // A commit is stored: the entry stays queued (the item changed since), answered.
     let row = try #require(try index.item(file))
     var stored = CloudItem(
       itemID: row.itemID, parentID: documentsID, name: "f", kind: .file, mode: 0o644, size: 0, mtimeNs: 0, etag: "1",
       deviceID: "device-a")
     stored.changeSeq = 1
-    try index.markUploaded(
-      seq: entry.seq, inode: file, itemID: row.itemID, revision: row.revision - 1, result: stored)
+    _ = try index.setAttributes(file, AttributeChanges(mode: 0o600))
+    try index.markUploaded(seq: entry.seq, inode: file, itemID: row.itemID, revision: row.revision, result: stored)
     let answered = try #require(try index.queueEntry(forInode: file))
-    #expect(answered.unansweredPlace == nil, "\(answered)")
-    try index.markCommitsSent(items: [file])
-    #expect(try index.queueEntry(forInode: file)?.unansweredPlace?.name == "g")
-    _ = try index.remove(parent: docs, name: "g", directory: false)
+    #expect(answered.unansweredPlaces.isEmpty, "\(answered)")
+    // Sent again, then deleted: the delete keeps the note.
+    try index.noteSent([(entry.seq, atD)])
+    _ = try index.remove(parent: docs, name: "f", directory: false)
     let delete = try index.pool.read { db in
       try QueueEntry.fetchOne(db, sql: "SELECT * FROM uploadQueue WHERE deleteItemID = ?", arguments: [row.itemID])
     }
-    #expect(
-      delete?.unansweredPlace == ItemPlace(parentID: documentsID, name: "g", mode: 0o644),
-      "\(String(describing: delete))")
+    #expect(delete?.unansweredPlaces == [atD], "\(String(describing: delete))")
+
+    // A file renamed over a synced one takes over its identity and its notes.
+    let old = try #require(try index.create(parent: docs, name: "old", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let new = try #require(try index.create(parent: docs, name: "new", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    try index.write { db in try db.execute(sql: "UPDATE items SET etag = '7' WHERE id = ?", arguments: [old]) }
+    let oldID = try #require(try index.item(old)?.itemID)
+    try index.noteSent([(try #require(try index.queueEntry(forInode: old)).seq, atE)])
+    _ = try index.rename(parent: docs, name: "new", newParent: docs, newName: "old", mode: .replace)
+    #expect(try index.item(new)?.itemID == oldID, "the identity was taken over")
+    #expect(try index.queueEntry(forInode: new)?.unansweredPlaces == [atE])
   }
 
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
