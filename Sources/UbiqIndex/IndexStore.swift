@@ -794,6 +794,7 @@ public final class IndexStore: @unchecked Sendable {
     let nowLocalOnly = [try Self.isLocalOnly(db, srcID), try Self.isLocalOnly(db, dstID)]
     // Of each row, whether the identity it takes may be in the cloud already (see below).
     var sentIdentity = [false, false]
+    var sentPlaces: [String?] = [nil, nil]
     if src.kind == .file && dst.kind == .file && wasLocalOnly == [false, false] && nowLocalOnly == [false, false] {
       // Identity swap; the unique itemID goes through a temporary value.
       func identity(of row: ItemRow, for other: ItemRow) -> [DatabaseValueConvertible?] {
@@ -809,6 +810,8 @@ public final class IndexStore: @unchecked Sendable {
       // (a delete then asks the cloud), without a revision: those commits came from the other
       // row, so no version of this one is the base of a merge with what the cloud has.
       sentIdentity = [try Self.uploadAttempted(db, dst), try Self.uploadAttempted(db, src)]
+      // So do the places its unanswered commits were sent with (`QueueEntry.unansweredPlaces`).
+      sentPlaces = [try Self.sentPlaces(db, of: dstID), try Self.sentPlaces(db, of: srcID)]
       try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
     }
     try Self.touchDirectory(db, src.parent!, now)
@@ -817,6 +820,9 @@ public final class IndexStore: @unchecked Sendable {
       try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i])
       if sentIdentity[i] {
         try db.cached("UPDATE uploadQueue SET commitSent = 1 WHERE item = ?").execute(arguments: [id])
+      }
+      if let places = sentPlaces[i] {
+        try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(arguments: [places, id])
       }
     }
     return RenameResult(

@@ -290,6 +290,15 @@ import Testing
     _ = try index.rename(parent: docs, name: "new", newParent: docs, newName: "old", mode: .replace)
     #expect(try index.item(new)?.itemID == oldID, "the identity was taken over")
     #expect(try index.queueEntry(forInode: new)?.unansweredPlaces == [atE])
+
+    // Two synced files exchanged (RENAME_EXCHANGE) swap their identities and their notes.
+    let x = try #require(try index.create(parent: docs, name: "x", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let y = try #require(try index.create(parent: docs, name: "y", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    try index.write { db in try db.execute(sql: "UPDATE items SET etag = '8' WHERE id IN (?, ?)", arguments: [x, y]) }
+    try index.noteSent([(try #require(try index.queueEntry(forInode: x)).seq, atD)])
+    _ = try index.rename(parent: docs, name: "x", newParent: docs, newName: "y", mode: .exchange)
+    #expect(try index.queueEntry(forInode: y)?.unansweredPlaces == [atD], "x's identity is y's now")
+    #expect(try index.queueEntry(forInode: x)?.unansweredPlaces == [])
   }
 
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
