@@ -545,8 +545,14 @@ public final class UploadWorker: @unchecked Sendable {
           case let current? where !current.deleted:
             // An upload whose reply was lost did reach the cloud. Our own version goes; a version
             // another device wrote on top of it, or whose content another device wrote (a merge),
-            // wins over this delete.
-            if current.deviceID == deviceID && current.contentAuthor == deviceID {
+            // wins over this delete. So does any folder version that differs from this device's
+            // own first commit of it only by a name another device's sync chose to settle a
+            // collision (`settledNameOf`): no user's change (a folder has no content; the cloud
+            // refuses the delete while anything is in it).
+            let settledOwnFolder =
+              current.kind == .directory && current.settledNameOf != nil
+              && entry.unansweredPlaces.contains { $0.parentID == current.parentID && $0.mode == current.mode }
+            if (current.deviceID == deviceID && current.contentAuthor == deviceID) || settledOwnFolder {
               etag = current.etag
             } else {
               log.info("delete of \(itemID) skipped: changed remotely (etag \(current.etag)); restoring it")
@@ -833,15 +839,20 @@ public final class UploadWorker: @unchecked Sendable {
     return inodes.isSnapshotIntact(inode, token) ? found : .heldByAWriter
   }
 
-  /// Notes the places and modes of versions about to be sent that differ from their bases
-  /// (`IndexStore.noteSent`), so that a later merge or delete knows such a version of this
-  /// device's own in the cloud for what it is if the reply is lost. A note that cannot be
-  /// written leaves only that knowledge out: the versions are sent anyway.
+  /// Notes the places and modes of versions about to be sent that differ from their bases, and
+  /// of folders' first versions (`IndexStore.noteSent`), so that a later merge or delete knows
+  /// such a version of this device's own in the cloud for what it is if the reply is lost. A
+  /// note that cannot be written leaves only that knowledge out: the versions are sent anyway.
   func noteSent(_ versions: [(seq: Int64, version: CloudItem, base: CloudItem?)]) {
     let places = versions.compactMap { seq, version, base -> (seq: Int64, place: ItemPlace)? in
-      guard let base, let parentID = version.parentID,
-        base.parentID != version.parentID || base.name != version.name || base.mode != version.mode
-      else { return nil }
+      guard let parentID = version.parentID else { return nil }
+      if let base {
+        guard base.parentID != version.parentID || base.name != version.name || base.mode != version.mode else {
+          return nil
+        }
+      } else if version.kind != .directory {
+        return nil
+      }
       return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode))
     }
     do {

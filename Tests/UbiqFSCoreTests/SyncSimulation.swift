@@ -1778,6 +1778,16 @@ final class SyncSimulation {
       (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
       (2, 8, 0, 0, 0), (1, 18, 7, 3, 0), (1, 19, 2, 2, 5), (0, 4, 2, 2, 0), (1, 18, 11, 2, 0), (1, 4, 2, 2, 0),
     ],
+    // Device 1 makes a folder d/d/e; its first commit reaches the cloud with its reply lost.
+    // Device 0 pulls it and renames it "e 2" to settle a name collision. Device 1 removes d:
+    // the cloud's folder differs from device 1's own first commit only by the settled name,
+    // so the delete goes on it instead of bringing the folder back (the zombie check; found
+    // by the folder soak, seed 8cN9KhD7aBWBV15JyX+ScsaFTdoyPTJzKV6BMzL30RE=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 18, 14, 7, 0), (0, 8, 2, 2, 0), (1, 17, 14, 2, 0), (0, 18, 13, 3, 0), (0, 20, 2, 2, 0),
+      (1, 19, 2, 2, 21), (0, 9, 2, 2, 0), (1, 19, 2, 2, 3105), (0, 8, 2, 2, 0), (1, 4, 2, 2, 0),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
