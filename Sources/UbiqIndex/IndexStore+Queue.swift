@@ -204,9 +204,8 @@ extension IndexStore {
 
   /// Notes, before commits are sent, where each item is in the version sent, and its mode
   /// (`QueueEntry.unansweredPlaces`): the local side of the commit, not a merge's place or mode
-  /// taken from the cloud. Only places and modes that differ from the item's base are noted:
-  /// a commit at the base's place and mode changes neither. Not synced on its own: a note a
-  /// power loss takes only leaves the merge without it.
+  /// taken from the cloud. The caller chooses which commits are noted (`UploadWorker.noteSent`).
+  /// Not synced on its own: a note a power loss takes only leaves the merge or delete without it.
   public func noteSent(_ sent: [(seq: Int64, place: ItemPlace)]) throws {
     if sent.isEmpty { return }
     try write { db in

@@ -588,9 +588,9 @@ public final class UploadWorker: @unchecked Sendable {
         // device's own (a commit whose answer was lost or held back in the network, which the
         // user deleted knowingly) does not stop the delete: it is sent again on that version,
         // at most a few times. Only if it is where and as the user saw the item, or where and as
-        // it was when the oldest of its commits with no answer was sent (the user moved it
-        // since): a merge this device committed may carry another device's rename or mode
-        // change, which wins over the delete. Nor does a version that differs from the deleted one only by a name
+        // it was in one of its commits with no answer (the user moved it since): a merge this
+        // device committed may carry another device's rename or mode change, which wins over
+        // the delete. Nor does a version that differs from the deleted one only by a name
         // another device's sync chose (`settledNameOf`): no user's change. As for any delete,
         // other devices' unresolved conflict versions of the file are kept.
         var newerVersionsPassed = 0
