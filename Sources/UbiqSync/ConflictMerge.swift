@@ -65,14 +65,22 @@ public enum ConflictMerge {
       ownSent.contains { $0.parentID == server.parentID && $0.name == server.name }
       && (local.parentID != server.parentID || local.name != server.name)
     let modeChangedSinceSent = ownSent.contains { $0.mode == server.mode } && local.mode != server.mode
+    // With no base (no commit of the item has been answered), this device's commits of it,
+    // noted before they were sent, stand in for one: every version of the item in the cloud
+    // comes from one of them. A place or mode the cloud has that none of them had is another
+    // device's change, and wins; one that any of them had is this device's own, and the local
+    // side, newer, is taken. Without notes the local side is taken.
+    let serverPlaceSent =
+      unanswered.isEmpty || unanswered.contains { $0.parentID == server.parentID && $0.name == server.name }
+    let serverModeSent = unanswered.isEmpty || unanswered.contains { $0.mode == server.mode }
     let placeChanged =
-      (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? true) || movedSinceSent
+      (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? serverPlaceSent) || movedSinceSent
     let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
     if serverAside || (placeChanged && !(local.settledNameOf != nil && serverPlaceChanged)) {
       out.parentID = local.parentID
       out.name = local.name
     }
-    if base.map({ $0.mode != local.mode }) ?? true || modeChangedSinceSent { out.mode = local.mode }
+    if base.map({ $0.mode != local.mode }) ?? serverModeSent || modeChangedSinceSent { out.mode = local.mode }
     if base.map({ $0.xattrs != local.xattrs }) ?? true { out.xattrs = local.xattrs }
     if local.kind == .symlink, base.map({ $0.symlinkTarget != local.symlinkTarget }) ?? true {
       out.symlinkTarget = local.symlinkTarget

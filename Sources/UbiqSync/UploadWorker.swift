@@ -840,7 +840,7 @@ public final class UploadWorker: @unchecked Sendable {
   }
 
   /// Notes the places and modes of versions about to be sent that differ from their bases, and
-  /// of folders' first versions (`IndexStore.noteSent`), so that a later merge or delete knows
+  /// of versions with no base (`IndexStore.noteSent`), so that a later merge or delete knows
   /// such a version of this device's own in the cloud for what it is if the reply is lost. A
   /// note that cannot be written leaves only that knowledge out: the versions are sent anyway.
   func noteSent(_ versions: [(seq: Int64, version: CloudItem, base: CloudItem?)]) {
@@ -850,8 +850,6 @@ public final class UploadWorker: @unchecked Sendable {
         guard base.parentID != version.parentID || base.name != version.name || base.mode != version.mode else {
           return nil
         }
-      } else if version.kind != .directory {
-        return nil
       }
       return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode))
     }

@@ -155,6 +155,37 @@ import UbiqIndex
     #expect(sameChange.name == "d" && sameChange.mode == 0o600, "another device's version is its change")
   }
 
+  /// With no base, the places and modes of this device's unanswered commits stand in for one:
+  /// the cloud's place or mode that none of them had is another device's change and wins; one
+  /// that any of them had is this device's own, older than the local side.
+  @Test func withNoBaseTheNotedCommitsTellAnotherDevicesChangeFromOurOwn() {
+    let local = Self.file("mine", mtimeNs: 10, by: "device-a")
+    let unanswered = [
+      ItemPlace(parentID: WellKnownItem.documents, name: "f", mode: 0o644),
+      ItemPlace(parentID: WellKnownItem.documents, name: "e", mode: 0o640),
+    ]
+    var theirs = Self.file("mine", mtimeNs: 10, by: "device-b", etag: "4")
+    theirs.contentDeviceID = "device-a"
+    theirs.name = "g"
+    theirs.mode = 0o600
+    let changedThere = ConflictMerge.merge(
+      local: local, base: nil, server: theirs, deviceID: "device-a", newVersionID: Self.versionID,
+      unanswered: unanswered)
+    #expect(changedThere.name == "g" && changedThere.mode == 0o600, "another device's rename and chmod win")
+
+    var ours = theirs
+    ours.name = "e"
+    ours.mode = 0o640
+    let changedHere = ConflictMerge.merge(
+      local: local, base: nil, server: ours, deviceID: "device-a", newVersionID: Self.versionID,
+      unanswered: unanswered)
+    #expect(changedHere.name == "f" && changedHere.mode == 0o644, "a place and mode this device sent are older")
+
+    let unknown = ConflictMerge.merge(
+      local: local, base: nil, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(unknown.name == "f" && unknown.mode == 0o644, "with nothing noted the local side is taken")
+  }
+
   /// One side of a concurrent change, drawn: its content (0: the base's), whether it renamed
   /// or chmodded the item, its mtime (small, so that they tie) and its device.
   struct Side: Sendable, CustomStringConvertible {

@@ -1788,6 +1788,13 @@ final class SyncSimulation {
       (2, 8, 0, 0, 0), (1, 18, 14, 7, 0), (0, 8, 2, 2, 0), (1, 17, 14, 2, 0), (0, 18, 13, 3, 0), (0, 20, 2, 2, 0),
       (1, 19, 2, 2, 21), (0, 9, 2, 2, 0), (1, 19, 2, 2, 3105), (0, 8, 2, 2, 0), (1, 4, 2, 2, 0),
     ],
+    // Device 0 writes g; its first commit reaches the cloud with its reply lost. Device 1
+    // pulls g and makes it mode 600. Device 0 writes g again: its commit meets device 1's
+    // version with no base to merge against. Device 0's own first commit, noted before it was
+    // sent, stands in for the base: the mode changed only in the cloud, so 600 stays (the
+    // lost-change check; found by the sync soak over HTTP, seed
+    // U8w1+PJESG/hpTqF8FD5lJpw+Jv3yP5ElTmta16DZpc=).
+    [(0, 0, 1, 0, 0), (0, 19, 0, 0, 7846), (1, 20, 0, 0, 0), (1, 16, 1, 0, 0), (0, 0, 1, 0, 0), (1, 6, 0, 0, 0)],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
