@@ -44,6 +44,21 @@ extension FilesystemCore {
     try withContentCached(inode, interruption: nil) { _ in }
   }
 
+  /// Runs `change` (a move or an exclusion), first downloading the bytes of files it would make
+  /// local-only while they are only in the cloud (`ContentOnlyInTheCloud`): their cloud items
+  /// leave with the change. A download that fails fails the change (EIO), which then changes
+  /// nothing.
+  func keepingContentLocal<T>(_ change: () throws -> T) throws -> T {
+    for _ in 0..<3 {
+      do {
+        return try change()
+      } catch let refused as ContentOnlyInTheCloud {
+        for inode in refused.inodes { try download(inode) }
+      }
+    }
+    throw UbiqError.busy("files to keep on this device keep being evicted; try again")
+  }
+
   /// Evicts least-recently-used clean content until the cache fits its budget and the disk keeps
   /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
   @discardableResult

@@ -294,7 +294,9 @@ public final class FilesystemCore: @unchecked Sendable {
     } else {
       throw UbiqError.invalidArgument("unsupported rename flags \(flags.rawValue)")
     }
-    let result = try index.rename(parent: parent, name: name, newParent: newParent, newName: newName, mode: mode)
+    let result = try keepingContentLocal {
+      try index.rename(parent: parent, name: name, newParent: newParent, newName: newName, mode: mode)
+    }
     if let replaced = result.replaced { dispose(replaced) }
     onQueued()
   }

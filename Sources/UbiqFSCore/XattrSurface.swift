@@ -114,7 +114,8 @@ struct XattrSurface {
         // Pinned content is downloaded and kept.
         if pin && row.kind == .file { try fs.download(row.id!) }
       case "excluded":
-        try fs.index.setExcluded(row.id!, try Self.bool(text, name))
+        let excluded = try Self.bool(text, name)
+        try fs.keepingContentLocal { try fs.index.setExcluded(row.id!, excluded) }
         fs.onQueued()
       case "action":
         try fs.perform(action: text, on: row)

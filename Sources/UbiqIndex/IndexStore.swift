@@ -652,17 +652,35 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Forgets the cloud identity of a subtree that became local-only, and deletes it in the cloud.
-  func detachSubtree(_ db: Database, _ inode: Int64) throws {
+  /// Each item's delete is queued as a removal's is (`deleteRow`): it asks the cloud for a first
+  /// commit whose answer never came, and remembers where the user saw the item (`before`: the
+  /// subtree's top as it was before the move that made it local-only; nil: where it is) and
+  /// the places its unanswered commits were sent with, so a version of this device's own that
+  /// reached the cloud goes too. Throws `ContentOnlyInTheCloud` (and changes nothing) while a
+  /// file of the subtree has bytes only in the cloud: its cloud item would take them with it.
+  func detachSubtree(_ db: Database, _ inode: Int64, before: ItemRow? = nil) throws {
+    var rows: [ItemRow] = []
     var stack = [inode]
     while let cur = stack.popLast() {
       if let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [cur]) {
-        try enqueueDelete(db, itemID: row.itemID, etag: row.etag)
-        try db.execute(
-          sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?",
-          arguments: [identifiers.next(), cur])
-        try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [cur])
+        rows.append(row)
       }
       stack += try Int64.fetchAll(db.cached("SELECT id FROM items WHERE parent = ?"), arguments: [cur])
+    }
+    let dataless = rows.filter { $0.kind == .file && $0.content == .dataless && $0.size > 0 }.compactMap(\.id)
+    if !dataless.isEmpty { throw ContentOnlyInTheCloud(inodes: dataless) }
+    // Every place is read under the folders' cloud identities, before any of them is replaced;
+    // the items' deletes are queued before their folders'.
+    for row in rows.reversed() {
+      let seen = try Self.place(db, of: row.id == inode ? (before ?? row) : row)
+      try enqueueDelete(
+        db, itemID: row.itemID, etag: row.etag, maybeInCloud: try Self.uploadAttempted(db, row),
+        keepsVersions: !row.conflictList.isEmpty, seen: seen, sentPlaces: try Self.sentPlaces(db, of: row.id))
+    }
+    for row in rows {
+      try db.execute(
+        sql: "UPDATE items SET etag = NULL, itemID = ? WHERE id = ?", arguments: [identifiers.next(), row.id])
+      try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [row.id])
     }
   }
 
@@ -756,7 +774,7 @@ public final class IndexStore: @unchecked Sendable {
         arguments: [newParent, newName, now, srcID])
       try Self.touchDirectory(db, parent, now)
       if newParent != parent { try Self.touchDirectory(db, newParent, now) }
-      try self.enqueueMoved(db, srcID, wasLocalOnly: wasLocalOnly)
+      try self.enqueueMoved(db, srcID, wasLocalOnly: wasLocalOnly, before: src)
       // The identity taken over comes with the places its unanswered commits were sent with.
       if let inheritedSentPlaces {
         try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(
@@ -817,7 +835,7 @@ public final class IndexStore: @unchecked Sendable {
     try Self.touchDirectory(db, src.parent!, now)
     if dst.parent != src.parent { try Self.touchDirectory(db, dst.parent!, now) }
     for (i, id) in [srcID, dstID].enumerated() {
-      try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i])
+      try self.enqueueMoved(db, id, wasLocalOnly: wasLocalOnly[i], before: i == 0 ? src : dst)
       if sentIdentity[i] {
         try db.cached("UPDATE uploadQueue SET commitSent = 1 WHERE item = ?").execute(arguments: [id])
       }
@@ -831,13 +849,14 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Queues what a move of `id` changes in the cloud: the item itself, or, if it stopped being
-  /// local-only, its whole subtree; if it became local-only, its subtree leaves the cloud.
-  func enqueueMoved(_ db: Database, _ id: Int64, wasLocalOnly: Bool) throws {
+  /// local-only, its whole subtree; if it became local-only, its subtree leaves the cloud
+  /// (`before`: the item's row before the move).
+  func enqueueMoved(_ db: Database, _ id: Int64, wasLocalOnly: Bool, before: ItemRow? = nil) throws {
     let nowLocalOnly = try Self.isLocalOnly(db, id)
     if wasLocalOnly && !nowLocalOnly {
       try enqueueSubtree(db, id)
     } else if !wasLocalOnly && nowLocalOnly {
-      try detachSubtree(db, id)
+      try detachSubtree(db, id, before: before)
     } else {
       try enqueue(db, id)
     }

@@ -153,6 +153,13 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   public var lastErrno: Int32?
 }
 
+/// A change refused because it would make files local-only whose bytes are only in the cloud
+/// (dataless): their cloud items leave with the change, and the bytes with them. The caller
+/// downloads `inodes` and tries again.
+public struct ContentOnlyInTheCloud: Error, Sendable {
+  public var inodes: [Int64]
+}
+
 /// Where an item was, as this device saw or sent it: its folder's item id, its name, its mode.
 /// A user's delete remembers it: a newer version of the item that this device wrote, which the
 /// delete meets in the cloud, is the one the user deleted only if it is still so (another

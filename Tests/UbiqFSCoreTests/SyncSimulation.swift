@@ -2595,6 +2595,74 @@ final class SyncSimulation {
     }
   }
 
+  /// A file whose latest commit reached the cloud with its reply lost (its first, or an edit
+  /// of a synced file) is then made local-only: excluded from sync (`user.ubiq.excluded`), or
+  /// moved into a `.nosync` folder. It leaves the cloud and every other device, and stays
+  /// here, once, with its bytes.
+  @Test(arguments: [false, true], [false, true])
+  func anItemMadeLocalOnlyAfterACommitWhoseReplyWasLostLeavesTheCloud(synced: Bool, byMove: Bool) async throws {
+    try await onOwnThread {
+      let (_, b, cloud) = try CoreWorld.pair()
+      let hooked = FlakyCloud(cloud)
+      let a = try CoreWorld(cloud: hooked)
+      let kept = try a.core.mkdir(parent: a.documents, name: "kept.nosync", mode: 0o755, caller: .current).inode
+      if synced {
+        try a.writeFile("f", Data("v1\n".utf8))
+        try a.drainUploads()
+        try b.pull()
+      }
+      let latest = Data("latest\n".utf8)
+      let f = try a.writeFile("f", latest)
+      hooked.repliesToLose = 1
+      try a.drainUploadsOnce()
+      #expect(hooked.trace.contains { $0.contains("lostReply") }, "\(hooked.trace)")
+      if byMove {
+        try a.core.rename(parent: a.documents, name: "f", newParent: kept, newName: "f", flags: [])
+      } else {
+        try a.core.setxattr(f, name: "user.ubiq.excluded", value: Data("1".utf8), flags: [])
+      }
+      try Self.settle(a, b)
+      #expect(try a.readFile(byMove ? "kept.nosync/f" : "f") == latest)
+      let onA = Set(try a.listing("")).subtracting([".", ".."])
+      let onB = Set(try b.listing("")).subtracting([".", ".."])
+      #expect(onA == (byMove ? ["kept.nosync"] : ["f", "kept.nosync"]), "here: \(onA)")
+      #expect(onB.isEmpty, "the file left the other device: \(onB)")
+      let live = try runBlocking { try await cloud.changes(a.container, since: 0, limit: 500) }.items
+        .filter { !$0.deleted && $0.kind == .file }
+      #expect(live.isEmpty, "the file left the cloud: \(live.map(\.name))")
+    }
+  }
+
+  /// A folder whose file's content is only in the cloud (evicted here) is made local-only:
+  /// excluded, or moved into a `.nosync` folder. The file's bytes are downloaded before its
+  /// cloud item goes, so the cloud's garbage collection cannot take them.
+  @Test(arguments: [false, true])
+  func anEvictedFileMadeLocalOnlyKeepsItsBytes(byMove: Bool) async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      let kept = try a.core.mkdir(parent: a.documents, name: "kept.nosync", mode: 0o755, caller: .current).inode
+      let d = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current).inode
+      let bytes = Data("only in the cloud\n".utf8)
+      let f = try a.writeFile("d/f", bytes)
+      try a.drainUploads()
+      try a.core.evict(f)
+      #expect(try a.index.item(f)?.content == .dataless)
+      if byMove {
+        try a.core.rename(parent: a.documents, name: "d", newParent: kept, newName: "d", flags: [])
+      } else {
+        try a.core.setxattr(d, name: "user.ubiq.excluded", value: Data("1".utf8), flags: [])
+      }
+      try Self.settle(a, b)
+      let onB = Set(try b.listing("")).subtracting([".", ".."])
+      #expect(onB.isEmpty, "the folder left the other device: \(onB)")
+      // The cloud's garbage collection takes chunks unused before the current second.
+      Thread.sleep(forTimeInterval: 1.1)
+      let collected = try runBlocking { try await cloud.collectGarbage(grace: 0) }
+      #expect(collected.chunks == 1, "the file's chunk is no item's in the cloud")
+      #expect(try a.readFile(byMove ? "kept.nosync/d/f" : "d/f") == bytes)
+    }
+  }
+
   /// What a user changes while a merge is committed (`aChangeMadeWhileAMergeIsCommittedStays`).
   enum ChangeDuringMerge: CaseIterable, Sendable {
     case rename, chmod, setxattr

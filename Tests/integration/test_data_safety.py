@@ -65,6 +65,32 @@ def test_rename_exchange_of_evicted_files_swaps_contents(ubiq, device2, evict):
         raise AssertionError(f"device 2 shows {shown}")
 
 
+@pytest.mark.parametrize("how", ["move", "exclude"])
+def test_an_evicted_folder_made_local_only_keeps_its_files_bytes(ubiq, device2, how):
+    """A folder with an evicted file, moved into a `.nosync` folder or marked excluded, leaves
+    the cloud; the file's bytes are downloaded first, so the cloud's garbage collection cannot
+    take them."""
+    data = os.urandom(300_000)
+    (ubiq.docs / "d").mkdir()
+    (ubiq.docs / "d" / "f").write_bytes(data)
+    ubiq.sync()
+    ubiq.run("evict", ubiq.docs / "d" / "f")
+    assert os.stat(ubiq.docs / "d" / "f").st_blocks == 0
+    if how == "move":
+        (ubiq.docs / "kept.nosync").mkdir()
+        os.rename(ubiq.docs / "d", ubiq.docs / "kept.nosync" / "d")
+        kept = ubiq.docs / "kept.nosync" / "d" / "f"
+    else:
+        os.setxattr(ubiq.docs / "d", "user.ubiq.excluded", b"1")
+        kept = ubiq.docs / "d" / "f"
+    ubiq.sync()
+    wait_for(lambda: not (device2.docs / "d").exists(), timeout=15, what="d to leave device 2")
+    time.sleep(1.1)  # the collection takes chunks unused before the current second
+    assert ubiq.collect_garbage()["chunks"] >= 1, "the file's chunks are no cloud item's"
+    ubiq.remount()
+    assert sha256_file(kept) == sha256(data)
+
+
 def test_rename_noreplace_of_evicted_file(ubiq):
     src, dst = _evicted_pair(ubiq, b"draft\n", b"old\n", ("d",))
     assert_errno(errno.EEXIST, renameat2, src, dst, RENAME_NOREPLACE)
