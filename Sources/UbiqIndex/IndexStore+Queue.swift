@@ -169,7 +169,9 @@ extension IndexStore {
       // of other devices it may carry (a merge's).
       try self.enqueueDelete(
         db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
-        seen: result.parentID.map { ItemPlace(parentID: $0, name: result.name, mode: result.mode) })
+        seen: result.parentID.map {
+          ItemPlace(parentID: $0, name: result.name, mode: result.mode, xattrs: result.xattrs)
+        })
       return
     }
     if placeOnly {

@@ -623,7 +623,7 @@ public final class IndexStore: @unchecked Sendable {
     guard let parent = row.parent,
       let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])
     else { return nil }
-    return ItemPlace(parentID: parentID, name: row.name, mode: row.mode)
+    return ItemPlace(parentID: parentID, name: row.name, mode: row.mode, xattrs: try Self.xattrs(db, of: row.id!))
   }
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only. A re-armed entry

@@ -160,20 +160,41 @@ public struct ContentOnlyInTheCloud: Error, Sendable {
   public var inodes: [Int64]
 }
 
-/// Where an item was, as this device saw or sent it: its folder's item id, its name, its mode.
-/// A user's delete remembers it: a newer version of the item that this device wrote, which the
-/// delete meets in the cloud, is the one the user deleted only if it is still so (another
-/// device's rename or mode change, merged into it, wins over the delete). A commit sent with no
-/// answer yet remembers it too (`QueueEntry.unansweredPlaces`).
+/// Where an item was, as this device saw or sent it: its folder's item id, its name, its mode
+/// and its extended attributes. A user's delete remembers it: a newer version of the item that
+/// this device wrote, which the delete meets in the cloud, is the one the user deleted only if
+/// it is still so (another device's rename, mode or attribute change, merged into it, wins over
+/// the delete). A commit sent with no answer yet remembers it too
+/// (`QueueEntry.unansweredPlaces`).
 public struct ItemPlace: Codable, Sendable, Equatable {
   public var parentID: String
   public var name: String
   public var mode: UInt32
+  /// `digest` of the item's extended attributes; nil when not known.
+  public var xattrs: String?
 
-  public init(parentID: String, name: String, mode: UInt32) {
+  public init(parentID: String, name: String, mode: UInt32, xattrs: [String: Data]? = nil) {
     self.parentID = parentID
     self.name = name
     self.mode = mode
+    self.xattrs = xattrs.map(Self.digest)
+  }
+
+  /// A digest of a set of extended attributes: equal for equal sets.
+  public static func digest(_ xattrs: [String: Data]) -> String {
+    var bytes = Data()
+    for (name, value) in xattrs.sorted(by: { $0.key < $1.key }) {
+      for part in [Data(name.utf8), value] {
+        withUnsafeBytes(of: UInt64(part.count).littleEndian) { bytes.append(contentsOf: $0) }
+        bytes.append(part)
+      }
+    }
+    return Chunker.sha256Hex(bytes)
+  }
+
+  /// Whether `xattrs` are the attributes noted here (any, when none are).
+  public func hasXattrs(_ xattrs: [String: Data]) -> Bool {
+    self.xattrs.map { $0 == Self.digest(xattrs) } ?? true
   }
 
   init?(json: String) {
@@ -185,7 +206,7 @@ public struct ItemPlace: Codable, Sendable, Equatable {
   /// in the cloud while it moved (`ItemName.aside`) is no user's place: the user saw it at the
   /// name it moved to, so such a version is as they saw it if its mode is.
   public func matches(_ version: CloudItem) -> Bool {
-    guard version.mode == mode else { return false }
+    guard version.mode == mode, hasXattrs(version.xattrs) else { return false }
     return (version.parentID == parentID && version.name == name)
       || ItemName.isAside(version.name, itemID: version.itemID)
   }

@@ -56,23 +56,26 @@ public enum ConflictMerge {
     // A temporary name this device's own earlier commit took in the cloud while the item moved
     // (`ItemName.aside`) is no user's place either: the local place is where the user put it.
     let serverAside = server.deviceID == deviceID && ItemName.isAside(server.name, itemID: server.itemID)
-    // A place (or mode) that a version of this device's own in the cloud has, and that this
-    // device sent in a commit whose answer never came, is this device's own earlier change,
-    // stored with its reply lost: where the item has moved (or changed mode) here since, the
-    // local one is newer than the cloud's.
+    // A place (or mode, or set of extended attributes) that a version of this device's own in
+    // the cloud has, and that this device sent in a commit whose answer never came, is this
+    // device's own earlier change, stored with its reply lost: where the item has moved (or
+    // changed mode or attributes) here since, the local one is newer than the cloud's.
     let ownSent = server.deviceID == deviceID ? unanswered : []
     let movedSinceSent =
       ownSent.contains { $0.parentID == server.parentID && $0.name == server.name }
       && (local.parentID != server.parentID || local.name != server.name)
     let modeChangedSinceSent = ownSent.contains { $0.mode == server.mode } && local.mode != server.mode
+    let xattrsChangedSinceSent =
+      ownSent.contains { $0.xattrs != nil && $0.hasXattrs(server.xattrs) } && local.xattrs != server.xattrs
     // With no base (no commit of the item has been answered), this device's commits of it,
     // noted before they were sent, stand in for one: every version of the item in the cloud
-    // comes from one of them. A place or mode the cloud has that none of them had is another
-    // device's change, and wins; one that any of them had is this device's own, and the local
-    // side, newer, is taken. Without notes the local side is taken.
+    // comes from one of them. A place, mode or set of extended attributes the cloud has that
+    // none of them had is another device's change, and wins; one that any of them had is this
+    // device's own, and the local side, newer, is taken. Without notes the local side is taken.
     let serverPlaceSent =
       unanswered.isEmpty || unanswered.contains { $0.parentID == server.parentID && $0.name == server.name }
     let serverModeSent = unanswered.isEmpty || unanswered.contains { $0.mode == server.mode }
+    let serverXattrsSent = unanswered.isEmpty || unanswered.contains { $0.hasXattrs(server.xattrs) }
     let placeChanged =
       (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? serverPlaceSent) || movedSinceSent
     let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
@@ -81,7 +84,9 @@ public enum ConflictMerge {
       out.name = local.name
     }
     if base.map({ $0.mode != local.mode }) ?? serverModeSent || modeChangedSinceSent { out.mode = local.mode }
-    if base.map({ $0.xattrs != local.xattrs }) ?? true { out.xattrs = local.xattrs }
+    if base.map({ $0.xattrs != local.xattrs }) ?? serverXattrsSent || xattrsChangedSinceSent {
+      out.xattrs = local.xattrs
+    }
     if local.kind == .symlink, base.map({ $0.symlinkTarget != local.symlinkTarget }) ?? true {
       out.symlinkTarget = local.symlinkTarget
     }

@@ -839,7 +839,8 @@ public final class UploadWorker: @unchecked Sendable {
     return inodes.isSnapshotIntact(inode, token) ? found : .heldByAWriter
   }
 
-  /// Notes the places and modes of versions about to be sent that differ from their bases, and
+  /// Notes the places, modes and extended attributes of versions about to be sent that differ
+  /// from their bases, and
   /// of versions with no base (`IndexStore.noteSent`), so that a later merge or delete knows
   /// such a version of this device's own in the cloud for what it is if the reply is lost. A
   /// note that cannot be written leaves only that knowledge out: the versions are sent anyway.
@@ -847,11 +848,12 @@ public final class UploadWorker: @unchecked Sendable {
     let places = versions.compactMap { seq, version, base -> (seq: Int64, place: ItemPlace)? in
       guard let parentID = version.parentID else { return nil }
       if let base {
-        guard base.parentID != version.parentID || base.name != version.name || base.mode != version.mode else {
-          return nil
-        }
+        guard
+          base.parentID != version.parentID || base.name != version.name || base.mode != version.mode
+            || base.xattrs != version.xattrs
+        else { return nil }
       }
-      return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode))
+      return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode, xattrs: version.xattrs))
     }
     do {
       try index.noteSent(places)

@@ -127,15 +127,17 @@ import UbiqIndex
     var sent = base
     sent.name = "d"
     sent.mode = 0o600
+    sent.xattrs = ["user.tag": Data("a".utf8)]
     sent.etag = "4"
     let unanswered = [
       ItemPlace(parentID: WellKnownItem.documents, name: "e", mode: 0o644),
-      ItemPlace(parentID: WellKnownItem.documents, name: "d", mode: 0o600),
+      ItemPlace(parentID: WellKnownItem.documents, name: "d", mode: 0o600, xattrs: sent.xattrs),
     ]
     let movedBack = ConflictMerge.merge(
       local: base, base: base, server: sent, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)
     #expect(movedBack.name == "f" && movedBack.mode == 0o644, "the local place and mode are newer")
+    #expect(movedBack.xattrs.isEmpty, "the local extended attributes are newer")
     #expect(movedBack.conflicts == nil)
 
     var theirs = sent
@@ -153,29 +155,34 @@ import UbiqIndex
       local: base, base: base, server: sameThere, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)
     #expect(sameChange.name == "d" && sameChange.mode == 0o600, "another device's version is its change")
+    #expect(sameChange.xattrs == sent.xattrs)
   }
 
-  /// With no base, the places and modes of this device's unanswered commits stand in for one:
-  /// the cloud's place or mode that none of them had is another device's change and wins; one
-  /// that any of them had is this device's own, older than the local side.
+  /// With no base, the places, modes and extended attributes of this device's unanswered
+  /// commits stand in for one: the cloud's place, mode or attributes that none of them had are
+  /// another device's change and win; those that any of them had are this device's own, older
+  /// than the local side.
   @Test func withNoBaseTheNotedCommitsTellAnotherDevicesChangeFromOurOwn() {
     let local = Self.file("mine", mtimeNs: 10, by: "device-a")
     let unanswered = [
-      ItemPlace(parentID: WellKnownItem.documents, name: "f", mode: 0o644),
-      ItemPlace(parentID: WellKnownItem.documents, name: "e", mode: 0o640),
+      ItemPlace(parentID: WellKnownItem.documents, name: "f", mode: 0o644, xattrs: [:]),
+      ItemPlace(parentID: WellKnownItem.documents, name: "e", mode: 0o640, xattrs: [:]),
     ]
     var theirs = Self.file("mine", mtimeNs: 10, by: "device-b", etag: "4")
     theirs.contentDeviceID = "device-a"
     theirs.name = "g"
     theirs.mode = 0o600
+    theirs.xattrs = ["user.tag": Data("b".utf8)]
     let changedThere = ConflictMerge.merge(
       local: local, base: nil, server: theirs, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)
     #expect(changedThere.name == "g" && changedThere.mode == 0o600, "another device's rename and chmod win")
+    #expect(changedThere.xattrs == theirs.xattrs, "another device's extended attribute wins")
 
     var ours = theirs
     ours.name = "e"
     ours.mode = 0o640
+    ours.xattrs = [:]
     let changedHere = ConflictMerge.merge(
       local: local, base: nil, server: ours, deviceID: "device-a", newVersionID: Self.versionID,
       unanswered: unanswered)

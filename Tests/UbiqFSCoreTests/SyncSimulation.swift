@@ -37,11 +37,11 @@ struct SyncStep: Sendable, CustomStringConvertible {
   static let kinds = [
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
-    "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash", "userStepDuringUpload",
+    "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash", "userStepDuringUpload", "setxattr",
   ]
-  /// How often each kind is drawn (out of 45); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 47); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1, 2]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1, 2, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   /// A step by the names of its kind and path (a sequence written by hand).
   static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
@@ -54,6 +54,8 @@ struct SyncStep: Sendable, CustomStringConvertible {
     (Self.stepsDuringUpload[n % Self.stepsDuringUpload.count], n / Self.stepsDuringUpload.count % 2 + 1)
   }
   var p: String { Self.paths[a % Self.paths.count] }
+  /// The value a `setxattr` step gives `SyncSimulation.xattrName`.
+  var xattrValue: String { "v\(n % 2)" }
   var q: String { Self.paths[b % Self.paths.count] }
   var description: String {
     let name = Self.kinds[kind % Self.kinds.count]
@@ -62,6 +64,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
     case "uploadFlaky", "pullFlaky", "uploadDelayed", "uploadCrash", "pullCrash": return "\(device):\(name)(\(n))"
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
+    case "setxattr": return "\(device):setxattr(\(p), \(SyncSimulation.xattrName)=\(xattrValue))"
     case "userStepDuringUpload":
       let (kind, k) = duringUpload
       return "\(device):upload with \(kind)(\(p), \(q)) before write \(k)"
@@ -588,7 +591,8 @@ struct Place: Hashable {
 /// nothing is left queued, no item is unreachable, no write that returned from close and
 /// was not knowingly replaced or deleted by a device that had seen it is lost (it is current
 /// content or a conflict version), no item a user removed comes back unless another device
-/// changed it, and a mode or a place that only one device gave an item stays (`modesSet`,
+/// changed it, and a mode, an extended attribute or a place that only one device gave an item
+/// stays (`modesSet`, `xattrsSet`,
 /// `moves`).
 final class SyncSimulation {
   let cloudDir: URL
@@ -619,6 +623,11 @@ final class SyncSimulation {
   /// exchange) and that no one removed, ends with that mode if it is live.
   var modesSet: [String: (device: Int, mode: UInt32, step: Int)] = [:]
   var modeSetters: [String: Set<Int>] = [:]
+  /// The same for the value of the extended attribute `xattrName` (setxattr).
+  var xattrsSet: [String: (device: Int, value: String, step: Int)] = [:]
+  var xattrSetters: [String: Set<Int>] = [:]
+  /// The extended attribute `setxattr` steps set.
+  static let xattrName = "user.tag"
   /// Items whose identity passed to another file (renamed over, exchanged): their mode is the
   /// other file's from then on.
   var identityPassed: Set<String> = []
@@ -813,6 +822,15 @@ final class SyncSimulation {
         if let id = try w.index.item(inode)?.itemID {
           modesSet[id] = (d, mode, step)
           modeSetters[id, default: []].insert(d)
+        }
+      }
+    case "setxattr":
+      attempt {
+        guard let inode = try w.inode(s.p) else { throw UbiqError.notFound(s.p) }
+        try w.core.setxattr(inode, name: Self.xattrName, value: Data(s.xattrValue.utf8), flags: [])
+        if let id = try w.index.item(inode)?.itemID {
+          xattrsSet[id] = (d, s.xattrValue, step)
+          xattrSetters[id, default: []].insert(d)
         }
       }
     case "upload":
@@ -1265,13 +1283,14 @@ final class SyncSimulation {
         reached += 1
         let path = prefix.isEmpty ? e.name : prefix + "/" + e.name
         let mode = String(e.attributes.mode & 0o7777, radix: 8)
+        let tag = Self.tag(try w.index.xattr(e.attributes.inode, Self.xattrName).map { [Self.xattrName: $0] } ?? [:])
         if e.attributes.kind == .directory {
-          tree[path] = "dir \(mode)"
+          tree[path] = "dir \(mode)\(tag)"
           try walk(e.attributes.inode, path)
         } else {
           let bytes = try w.readFile(path)
           let hash = Chunker.sha256Hex(bytes)
-          tree[path] = "\(hash) \(mode)"
+          tree[path] = "\(hash) \(mode)\(tag)"
           hashes.insert(hash)
           for v in try w.index.item(e.attributes.inode)?.conflictList ?? [] {
             for c in v.chunks { hashes.insert(c.hash) }
@@ -1283,6 +1302,11 @@ final class SyncSimulation {
     let rows = try w.index.pool.read { db in try Int.fetchOne(db, sql: "SELECT count(*) FROM items") ?? 0 }
     // The root and Documents are rows too.
     return (tree, hashes, rows - 2 - reached)
+  }
+
+  /// An item's `xattrName` as a tree shows it: " tag=VALUE", or nothing.
+  static func tag(_ xattrs: [String: Data]) -> String {
+    xattrs[xattrName].map { " tag=\(String(decoding: $0, as: UTF8.self))" } ?? ""
   }
 
   /// The cloud's live records, by item id, read from the whole change feed.
@@ -1327,12 +1351,13 @@ final class SyncSimulation {
         continue
       }
       let mode = String(item.mode & 0o7777, radix: 8)
+      let tag = Self.tag(item.xattrs)
       if item.kind == .directory {
-        tree[parts.joined(separator: "/")] = "dir \(mode)"
+        tree[parts.joined(separator: "/")] = "dir \(mode)\(tag)"
       } else {
         var bytes = Data()
         for c in item.chunks { bytes += try runBlocking { try await shared.getChunk(hash: c.hash, range: nil) } }
-        tree[parts.joined(separator: "/")] = "\(Chunker.sha256Hex(bytes)) \(mode)"
+        tree[parts.joined(separator: "/")] = "\(Chunker.sha256Hex(bytes)) \(mode)\(tag)"
       }
     }
     return (tree, orphans, ids)
@@ -1376,6 +1401,16 @@ final class SyncSimulation {
         record.mode & 0o7777 == set.mode,
         "item \(id) (\(record.name)): mode \(String(set.mode, radix: 8)) set by device \(set.device) at step "
           + "\(set.step), and by no other device, is \(String(record.mode & 0o7777, radix: 8)) in the cloud")
+    }
+    for (id, set) in xattrsSet.sorted(by: { $0.key < $1.key })
+    where xattrSetters[id]?.count == 1 && !identityPassed.contains(id) && deletions[id] == nil {
+      guard let record = records[id] else { continue }
+      Self.stats["extended attributes checked", default: 0] += 1
+      let value = record.xattrs[Self.xattrName].map { String(decoding: $0, as: UTF8.self) }
+      check(
+        value == set.value,
+        "item \(id) (\(record.name)): \(Self.xattrName)=\(set.value) set by device \(set.device) at step "
+          + "\(set.step), and by no other device, is \(value ?? "unset") in the cloud")
     }
     let itemsOnDevices = try devices.indices.map { try localItems($0) }
     broken += checkMoves(records: records, itemsOnDevices: itemsOnDevices)
@@ -1795,6 +1830,10 @@ final class SyncSimulation {
     // lost-change check; found by the sync soak over HTTP, seed
     // U8w1+PJESG/hpTqF8FD5lJpw+Jv3yP5ElTmta16DZpc=).
     [(0, 0, 1, 0, 0), (0, 19, 0, 0, 7846), (1, 20, 0, 0, 0), (1, 16, 1, 0, 0), (0, 0, 1, 0, 0), (1, 6, 0, 0, 0)],
+    // The same with an extended attribute that device 1 sets instead of the mode: the noted
+    // commits carry a digest of the attributes, so device 1's stays (the extended-attribute
+    // check).
+    [(0, 0, 1, 0, 0), (0, 19, 0, 0, 7846), (1, 20, 0, 0, 0), (1, 24, 1, 0, 0), (0, 0, 1, 0, 0), (1, 6, 0, 0, 0)],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
