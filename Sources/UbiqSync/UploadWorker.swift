@@ -840,10 +840,10 @@ public final class UploadWorker: @unchecked Sendable {
   }
 
   /// Notes the places, modes and extended attributes of versions about to be sent that differ
-  /// from their bases, and
-  /// of versions with no base (`IndexStore.noteSent`), so that a later merge or delete knows
-  /// such a version of this device's own in the cloud for what it is if the reply is lost. A
-  /// note that cannot be written leaves only that knowledge out: the versions are sent anyway.
+  /// from their bases, and of versions with no base (`IndexStore.noteSent`), so that a later
+  /// merge or delete knows such a version of this device's own in the cloud for what it is if
+  /// the reply is lost. A note that cannot be written leaves only that knowledge out: the
+  /// versions are sent anyway.
   func noteSent(_ versions: [(seq: Int64, version: CloudItem, base: CloudItem?)]) {
     let places = versions.compactMap { seq, version, base -> (seq: Int64, place: ItemPlace)? in
       guard let parentID = version.parentID else { return nil }
