@@ -451,7 +451,7 @@ public final class UploadWorker: @unchecked Sendable {
       }
       let inodes = Set(unchanged.map(\.inode))
       lock.withLock { committing.formUnion(inodes) }
-      noteSent(unchanged.map { ($0.entry.seq, $0.version, $0.prepared.snapshot.row.baseItem) })
+      noteSent(unchanged.map { ($0.entry.seq, $0.version) })
       let results: ItemBatchResults
       do {
         results = try await cloud.putItems(
@@ -839,20 +839,14 @@ public final class UploadWorker: @unchecked Sendable {
     return inodes.isSnapshotIntact(inode, token) ? found : .heldByAWriter
   }
 
-  /// Notes the places, modes and extended attributes of versions about to be sent that differ
-  /// from their bases, and of versions with no base (`IndexStore.noteSent`), so that a later
-  /// merge or delete knows such a version of this device's own in the cloud for what it is if
-  /// the reply is lost. A note that cannot be written leaves only that knowledge out: the
-  /// versions are sent anyway.
-  func noteSent(_ versions: [(seq: Int64, version: CloudItem, base: CloudItem?)]) {
-    let places = versions.compactMap { seq, version, base -> (seq: Int64, place: ItemPlace)? in
+  /// Notes the place, mode and extended attributes of every version about to be sent
+  /// (`IndexStore.noteSent`), so that a later merge or delete knows such a version of this
+  /// device's own in the cloud for what it is if the reply is lost: also one that changes only
+  /// the content, which a delete after a chmod must still take for the version the user had. A
+  /// note that cannot be written leaves only that knowledge out: the versions are sent anyway.
+  func noteSent(_ versions: [(seq: Int64, version: CloudItem)]) {
+    let places = versions.compactMap { seq, version -> (seq: Int64, place: ItemPlace)? in
       guard let parentID = version.parentID else { return nil }
-      if let base {
-        guard
-          base.parentID != version.parentID || base.name != version.name || base.mode != version.mode
-            || base.xattrs != version.xattrs
-        else { return nil }
-      }
       return (seq, ItemPlace(parentID: parentID, name: version.name, mode: version.mode, xattrs: version.xattrs))
     }
     do {
@@ -869,7 +863,7 @@ public final class UploadWorker: @unchecked Sendable {
     let local = version(of: p)
     // The local side of every commit below: a merge's place and mode from the cloud are not
     // this device's change.
-    noteSent([(entry.seq, local, row.baseItem)])
+    noteSent([(entry.seq, local)])
     var item = local
     var ifMatch = row.etag
     var merged = false

@@ -2943,6 +2943,32 @@ final class SyncSimulation {
     }
   }
 
+  /// Device a edits f; the commit reaches the cloud and its reply is lost. The user then
+  /// changes f's mode (or an extended attribute) and deletes it. The delete meets a's own
+  /// version, which differs from the base only by its content: the user had it before the
+  /// change, so it is no other device's, the delete is sent again on it and f stays deleted.
+  @Test(arguments: [ChangeDuringMerge.chmod, .setxattr])
+  func aDeleteAfterAContentOnlyCommitWhoseReplyWasLostStaysDeleted(change: ChangeDuringMerge) async throws {
+    try await onOwnThread {
+      let cloud = GatedCloud()
+      let a = try CoreWorld(cloud: cloud)
+      let b = try CoreWorld(cloud: cloud)
+      try a.writeFile("f", Data("one\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      try a.writeFile("f", Data("two\n".utf8))
+      cloud.loseReplies = 1
+      try? a.drainUploadsOnce()
+      try change.make(on: a)
+      try a.core.unlink(parent: a.documents, name: "f")
+      try Self.settle(a, b)
+      for (device, w) in [("a", a), ("b", b)] {
+        let names = Set(try w.listing("")).subtracting([".", ".."])
+        #expect(names.isEmpty, "f came back on \(device): \(names)")
+      }
+    }
+  }
+
   /// Runs `count` random sequences of up to 40 steps from `generator` on three devices, each
   /// after `setup`, and checks each at the end (`SyncSimulation.finish`); prints the stats.
   static func randomSequences(
