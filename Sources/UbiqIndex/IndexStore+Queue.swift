@@ -168,10 +168,12 @@ extension IndexStore {
       // Deleted while uploading: the version just created must go too, keeping the versions
       // of other devices it may carry (a merge's).
       try self.enqueueDelete(
-        db, itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
-        seen: result.parentID.map {
-          ItemPlace(parentID: $0, name: result.name, mode: result.mode, xattrs: result.xattrs)
-        })
+        db,
+        CloudDelete(
+          itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
+          seen: result.parentID.map {
+            ItemPlace(parentID: $0, name: result.name, mode: result.mode, xattrs: result.xattrs)
+          }))
       return
     }
     if placeOnly {
@@ -206,7 +208,7 @@ extension IndexStore {
 
   /// Notes, before commits are sent, where each item is in the version sent, and its mode
   /// (`QueueEntry.unansweredPlaces`): the local side of the commit, not a merge's place or mode
-  /// taken from the cloud. The caller chooses which commits are noted (`UploadWorker.noteSent`).
+  /// taken from the cloud. The uploader notes every commit before it is sent (`UploadWorker.noteSent`).
   /// Not synced on its own: a note a power loss takes only leaves the merge or delete without it.
   public func noteSent(_ sent: [(seq: Int64, place: ItemPlace)]) throws {
     if sent.isEmpty { return }

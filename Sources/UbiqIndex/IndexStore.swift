@@ -525,15 +525,38 @@ public final class IndexStore: @unchecked Sendable {
   /// etag yet: its first upload may be in flight, and until the delete is done the pending entry
   /// also stops the change feed from bringing the item back.
   func deleteRow(_ db: Database, _ row: ItemRow) throws {
-    let attempted = try Self.uploadAttempted(db, row)
-    let seen = try Self.place(db, of: row)
-    let sent = try Self.sentPlaces(db, of: row.id)
+    let delete = try Self.removal(db, of: row)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [row.id!])
     if row.itemID != WellKnownItem.root && row.itemID != WellKnownItem.documents {
-      try enqueueDelete(
-        db, itemID: row.itemID, etag: row.etag, maybeInCloud: attempted, keepsVersions: !row.conflictList.isEmpty,
-        seen: seen, sentPlaces: sent)
+      try enqueueDelete(db, delete)
     }
+  }
+
+  /// A cloud delete to queue (`enqueueDelete`): the item, the etag it is deleted on, and what
+  /// the uploader needs to tell this device's own newer versions from other devices' changes
+  /// when the delete meets one in the cloud.
+  struct CloudDelete {
+    var itemID: String
+    /// Nil: not known to be in the cloud.
+    var etag: String?
+    /// An attempt of the item's first upload may have reached the cloud (its reply was lost).
+    var maybeInCloud = false
+    /// The file had unresolved conflict versions (see `UploadWorker`).
+    var keepsVersions = false
+    /// Where and as the user saw the item when they deleted it (nil: not a user's delete).
+    var seen: ItemPlace?
+    /// The item's upload entry's `sentPlaces` (`QueueEntry.unansweredPlaces`, as JSON).
+    var sentPlaces: String?
+  }
+
+  /// The cloud delete of a user's removal of `row`: read before the row and its upload entry
+  /// go (its extended attributes and its entry go with the row). `seenAs`: the row where the
+  /// user saw it, when it has moved since (the move that made it local-only).
+  static func removal(_ db: Database, of row: ItemRow, seenAs: ItemRow? = nil) throws -> CloudDelete {
+    CloudDelete(
+      itemID: row.itemID, etag: row.etag, maybeInCloud: try uploadAttempted(db, row),
+      keepsVersions: !row.conflictList.isEmpty, seen: try place(db, of: seenAs ?? row),
+      sentPlaces: try sentPlaces(db, of: row.id))
   }
 
   /// Whether an item with no confirmed upload had an upload attempted: it may still have reached
@@ -584,17 +607,11 @@ public final class IndexStore: @unchecked Sendable {
     }
   }
 
-  /// Queues a cloud delete. A nil etag means "not known to be in the cloud": an upload that
-  /// completes later fills it in (`markUploaded`); still nil when processed, the uploader asks
-  /// the cloud if `maybeInCloud` (an attempt's reply was lost) and otherwise has nothing to do.
-  /// `keepsVersions`: the file had unresolved conflict versions (see `UploadWorker`).
-  /// `seen`: where the user saw the item when they deleted it (nil: not a user's delete).
-  /// `sentPlaces`: the item's upload entry's (`QueueEntry.unansweredPlaces`, as JSON), read
-  /// before that entry goes.
-  func enqueueDelete(
-    _ db: Database, itemID: String, etag: String?, maybeInCloud: Bool = false, keepsVersions: Bool = false,
-    seen: ItemPlace? = nil, sentPlaces: String? = nil
-  ) throws {
+  /// Queues a cloud delete, or merges it into one queued for the item. A nil etag means "not
+  /// known to be in the cloud": an upload that completes later fills it in (`markUploaded`);
+  /// still nil when processed, the uploader asks the cloud if `maybeInCloud` and otherwise has
+  /// nothing to do.
+  func enqueueDelete(_ db: Database, _ delete: CloudDelete) throws {
     let now = self.clock.nowNs()
     try db.cached(
       """
@@ -608,7 +625,8 @@ public final class IndexStore: @unchecked Sendable {
         sentPlaces = COALESCE(excluded.sentPlaces, sentPlaces)
       """
     ).execute(arguments: [
-      itemID, etag, now, now + uploadDelayNs, maybeInCloud, keepsVersions, seen.flatMap(ItemRow.json), sentPlaces,
+      delete.itemID, delete.etag, now, now + uploadDelayNs, delete.maybeInCloud, delete.keepsVersions,
+      delete.seen.flatMap(ItemRow.json), delete.sentPlaces,
     ])
   }
 
@@ -672,10 +690,7 @@ public final class IndexStore: @unchecked Sendable {
     // Every place is read under the folders' cloud identities, before any of them is replaced;
     // the items' deletes are queued before their folders'.
     for row in rows.reversed() {
-      let seen = try Self.place(db, of: row.id == inode ? (before ?? row) : row)
-      try enqueueDelete(
-        db, itemID: row.itemID, etag: row.etag, maybeInCloud: try Self.uploadAttempted(db, row),
-        keepsVersions: !row.conflictList.isEmpty, seen: seen, sentPlaces: try Self.sentPlaces(db, of: row.id))
+      try enqueueDelete(db, try Self.removal(db, of: row, seenAs: row.id == inode ? before : nil))
     }
     for row in rows {
       try db.execute(
@@ -735,8 +750,8 @@ public final class IndexStore: @unchecked Sendable {
             }
             if dst.itemID == WellKnownItem.documents { throw UbiqError.notPermitted("Documents cannot be replaced") }
           }
-          let dstMaybeInCloud = try Self.uploadAttempted(db, dst)
-          let dstSent = try Self.sentPlaces(db, of: dstID)
+          // Read before the replaced row goes (its attributes and its queue entry go with it).
+          let dstRemoval = try Self.removal(db, of: dst)
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
@@ -744,13 +759,13 @@ public final class IndexStore: @unchecked Sendable {
             // Its content stays its own: a dataless source keeps the chunk list its bytes are
             // downloaded (and uploaded) from; a cached one is uploaded from its cache file.
             // Both files' conflict versions stay with it: the source's item is deleted.
-            try self.enqueueDelete(
-              db, itemID: src.itemID, etag: src.etag, maybeInCloud: try Self.uploadAttempted(db, src),
-              seen: try Self.place(db, of: src), sentPlaces: try Self.sentPlaces(db, of: srcID))
+            var srcRemoval = try Self.removal(db, of: src)
+            srcRemoval.keepsVersions = false
+            try self.enqueueDelete(db, srcRemoval)
             try db.cached("DELETE FROM uploadQueue WHERE item = ?").execute(arguments: [srcID])
             src.itemID = dst.itemID
             src.etag = dstEtag
-            inheritedSentPlaces = dstSent
+            inheritedSentPlaces = dstRemoval.sentPlaces
             if src.content == .cached { src.chunks = dst.chunks }
             src.syncedRevision = 0
             try db.execute(
@@ -763,9 +778,7 @@ public final class IndexStore: @unchecked Sendable {
                 ItemRow.combinedConflicts(dst.conflictList, src.conflictList), srcID,
               ])
           } else {
-            try self.enqueueDelete(
-              db, itemID: dst.itemID, etag: dst.etag, maybeInCloud: dstMaybeInCloud,
-              keepsVersions: !dst.conflictList.isEmpty, seen: try Self.place(db, of: dst), sentPlaces: dstSent)
+            try self.enqueueDelete(db, dstRemoval)
           }
         }
       }

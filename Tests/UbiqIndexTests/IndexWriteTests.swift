@@ -301,6 +301,49 @@ import Testing
     #expect(try index.queueEntry(forInode: x)?.unansweredPlaces == [])
   }
 
+  /// Every delete a user's removal queues remembers the item as they saw it, its extended
+  /// attributes included: an unlink, a rename over a file (the replaced file's delete, and the
+  /// source's when it takes over the replaced file's identity), a move under a `.nosync` name.
+  @Test func aQueuedDeleteRemembersTheAttributesTheUserSaw() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let documentsID = try #require(try index.item(docs)?.itemID)
+    let tag = ["user.tag": Data("red".utf8)]
+    func file(_ name: String, etag: String? = nil) throws -> ItemRow {
+      let id = try #require(try index.create(parent: docs, name: name, kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+      try index.setXattr(id, "user.tag", Data("red".utf8), mode: .any)
+      if let etag {
+        try index.write { db in try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [etag, id]) }
+      }
+      return try #require(try index.item(id))
+    }
+    func seen(_ row: ItemRow) throws -> ItemPlace? {
+      try index.pool.read { db in
+        try QueueEntry.fetchOne(db, sql: "SELECT * FROM uploadQueue WHERE deleteItemID = ?", arguments: [row.itemID])
+      }?.deletedPlace
+    }
+    let unlinked = try file("unlinked")
+    _ = try index.remove(parent: docs, name: "unlinked", directory: false)
+    #expect(try seen(unlinked) == ItemPlace(parentID: documentsID, name: "unlinked", mode: 0o644, xattrs: tag))
+    // A replaced file that was never confirmed in the cloud is deleted.
+    let replaced = try file("replaced")
+    _ = try file("over")
+    _ = try index.rename(parent: docs, name: "over", newParent: docs, newName: "replaced", mode: .replace)
+    #expect(try seen(replaced) == ItemPlace(parentID: documentsID, name: "replaced", mode: 0o644, xattrs: tag))
+    // A source that takes over a synced file's identity leaves its own behind.
+    _ = try file("synced", etag: "7")
+    let source = try file("source", etag: "8")
+    _ = try index.rename(parent: docs, name: "source", newParent: docs, newName: "synced", mode: .replace)
+    #expect(try seen(source) == ItemPlace(parentID: documentsID, name: "source", mode: 0o644, xattrs: tag))
+    // Moved under a `.nosync` name: local-only, its cloud item goes.
+    let kept = try #require(
+      try index.create(parent: docs, name: "kept.nosync", kind: .directory, mode: 0o755, uid: 0, gid: 0).id)
+    let moved = try file("moved", etag: "9")
+    _ = try index.rename(parent: docs, name: "moved", newParent: kept, newName: "moved", mode: .replace)
+    #expect(try seen(moved) == ItemPlace(parentID: documentsID, name: "moved", mode: 0o644, xattrs: tag))
+  }
+
   /// A user's delete meets a newer version of this device's own: it is the version they deleted
   /// where it is where they saw it, or at a temporary name it took while it moved, with their mode.
   @Test func anItemPlaceMatchesTheUsersPlaceOrATemporaryNameOnItsWay() {
