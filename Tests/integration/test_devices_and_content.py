@@ -374,7 +374,8 @@ def test_a_signal_ends_an_open_that_waits_for_a_download(ubiq):
             fh.write("and writable\n")
         opener.send_signal(signal.SIGUSR1)
         # At 1 KiB/s the download takes over an hour: only the signal can end the open now.
-        out, err = opener.communicate(timeout=10)
+        opener.wait(timeout=10)
+        out, err = opener.stdout.read(), opener.stderr.read()
     finally:
         if opener.poll() is None:
             opener.kill()
@@ -420,7 +421,11 @@ def test_more_waits_for_downloads_than_fuse_threads_leave_the_mount_usable(ubiq)
         assert check.stdout == "usable\n1", check.stdout
         for opener in openers:
             opener.send_signal(signal.SIGUSR1)
-        outcomes = [" ".join(opener.communicate(timeout=8)).strip() for opener in openers]
+        for opener in openers:
+            opener.wait(timeout=8)
+        # Read through the text streams: `readline` above may have buffered more than its line
+        # (a child whose open ended before the signal), which `communicate` would not return.
+        outcomes = [" ".join([opener.stdout.read(), opener.stderr.read()]).strip() for opener in openers]
     finally:
         for opener in openers:
             if opener.poll() is None:
