@@ -422,32 +422,17 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     return kv
   }
 
+  /// The rules of the cloud's tree for one version (`CloudItem.brokenRule`); the root is not
+  /// written.
   private func validate(_ item: CloudItem) throws {
-    guard Identifier.isValid(item.itemID) else {
-      throw CloudError.invalidID("item id \(Identifier.quoted(item.itemID))")
-    }
-    if let parentID = item.parentID, !Identifier.isValid(parentID) {
-      throw CloudError.invalidID("parent id \(Identifier.quoted(parentID))")
-    }
-    for v in item.conflicts ?? [] where !Identifier.isValid(v.versionID) {
-      throw CloudError.invalidID("conflict version id \(Identifier.quoted(v.versionID))")
-    }
-    if item.deviceID.utf8.count > 128 || (item.contentDeviceID?.utf8.count ?? 0) > 128 {
-      throw CloudError.invalid("device id longer than 128 bytes")
-    }
-    if (item.settledNameOf?.utf8.count ?? 0) > 128 { throw CloudError.invalid("settledNameOf longer than 128 bytes") }
     if item.itemID == WellKnownItem.root {
       throw CloudError.invalid("the container root cannot be written")
     }
-    do { try ItemName.validate(item.name) } catch let e as UbiqError { throw CloudError.invalid(e.description) }
-    if item.parentID == nil { throw CloudError.invalid("item \(item.itemID) has no parent") }
-    if item.itemID == WellKnownItem.documents && item.parentID != WellKnownItem.root {
-      throw CloudError.invalid("Documents stays in the container root")
+    switch item.brokenRule {
+    case nil: return
+    case .invalidID(let what): throw CloudError.invalidID(what)
+    case .cycle(let why): throw CloudError.cycle(why)
+    case .invalid(let why): throw CloudError.invalid(why)
     }
-    if item.kind == .symlink && (item.symlinkTarget ?? "").isEmpty {
-      throw CloudError.invalid("symlink without target")
-    }
-    if item.size < 0 { throw CloudError.invalid("negative size") }
-    for v in item.conflicts ?? [] where v.size < 0 { throw CloudError.invalid("negative conflict version size") }
   }
 }

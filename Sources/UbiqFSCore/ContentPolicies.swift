@@ -13,7 +13,7 @@ extension FilesystemCore {
     for r in results {
       guard let inode = r.inode else { continue }
       switch r.outcome {
-      case .unchanged, .deferred, .locallyModified:
+      case .unchanged, .deferred, .locallyModified, .refused:
         // Nothing the kernel shows changed (often the echo of our own upload): keep its caches.
         continue
       case .deleted:

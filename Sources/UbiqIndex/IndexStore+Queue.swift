@@ -381,8 +381,12 @@ extension IndexStore {
           waiting += 1
         }
       }
+      let refused = try Row.fetchAll(
+        db, sql: "SELECT itemID, name, reason FROM refusedRemote ORDER BY changeSeq LIMIT 50"
+      ).map { RefusedRecord(itemID: $0["itemID"], name: $0["name"], reason: $0["reason"]) }
       return QueueSummary(
-        pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing, waitingForParent: waiting)
+        pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing, waitingForParent: waiting,
+        refusedRecords: refused)
     }
   }
 

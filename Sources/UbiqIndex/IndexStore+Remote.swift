@@ -14,6 +14,8 @@ public struct RemoteApplyResult: Sendable {
     case deferred
     /// The local item has changes of its own not yet uploaded; left for conflict handling.
     case locallyModified
+    /// The record breaks a rule of the cloud's tree (`CloudItem.brokenRule`): not applied.
+    case refused
   }
   public var outcome: Outcome
   public var inode: Int64?
@@ -77,6 +79,15 @@ extension IndexStore {
     _ db: Database, _ r: CloudItem, uid: UInt32, gid: UInt32, collisions: NameCollisionPolicy, holding: Bool
   ) throws -> RemoteApplyResult {
     if r.itemID == WellKnownItem.root { return RemoteApplyResult(outcome: .unchanged) }
+    // A live record that breaks a rule of the cloud's tree is refused: nothing here changes,
+    // and it is remembered for `ubiqfs status` until a later record of the item replaces it.
+    if !r.deleted, let broken = r.brokenRule {
+      try Self.refuseRemote(db, r, broken)
+      return RemoteApplyResult(outcome: .refused)
+    }
+    try db.cached("DELETE FROM refusedRemote WHERE itemID = ? AND changeSeq < ?").execute(arguments: [
+      r.itemID, r.changeSeq,
+    ])
     let result = try Self.asRemote(db) { try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions) }
     switch result.outcome {
     case .locallyModified:
@@ -719,6 +730,17 @@ extension IndexStore {
         ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, record = excluded.record
         WHERE excluded.changeSeq > heldRemote.changeSeq
         """, arguments: [r.itemID, r.changeSeq, try JSONEncoder().encode(r)])
+  }
+
+  /// Remembers a record refused for breaking `rule`, unless a later record of its item is.
+  static func refuseRemote(_ db: Database, _ r: CloudItem, _ rule: BrokenItemRule) throws {
+    try db.cached(
+      """
+      INSERT INTO refusedRemote(itemID, changeSeq, name, reason) VALUES (?, ?, ?, ?)
+      ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, name = excluded.name, reason = excluded.reason
+      WHERE excluded.changeSeq > refusedRemote.changeSeq
+      """
+    ).execute(arguments: [r.itemID, r.changeSeq, r.name, rule.description])
   }
 
   /// The held remote records, oldest change first.

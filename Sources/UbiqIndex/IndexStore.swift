@@ -223,6 +223,15 @@ public final class IndexStore: @unchecked Sendable {
     m.registerMigration("v18-sent-places") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN sentPlaces TEXT")
     }
+    // Records from the cloud that break a rule of the cloud's tree (`CloudItem.brokenRule`),
+    // newest per item, until a later record of the item replaces them (`ubiqfs status`).
+    m.registerMigration("v19-refused-remote") { db in
+      try db.execute(
+        sql: """
+          CREATE TABLE refusedRemote(
+            itemID TEXT PRIMARY KEY, changeSeq INTEGER NOT NULL, name TEXT NOT NULL, reason TEXT NOT NULL)
+          """)
+    }
     return m
   }
 

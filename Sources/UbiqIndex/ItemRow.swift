@@ -244,6 +244,16 @@ public struct QueueSummary: Sendable, Codable {
   /// Changes from the cloud held back because their folder is missing here (and in the cloud's
   /// feed so far): applied as soon as it arrives.
   public var waitingForParent: Int = 0
+  /// Changes from the cloud refused because they break a rule of the cloud's tree (the first 50).
+  public var refusedRecords: [RefusedRecord] = []
+}
+
+/// A change from the cloud refused because it breaks a rule of the cloud's tree
+/// (`CloudItem.brokenRule`): the item stays as it was here until a valid change of it comes.
+public struct RefusedRecord: Sendable, Codable, Equatable {
+  public var itemID: String
+  public var name: String
+  public var reason: String
 }
 
 /// An upload that failed at least once and is waiting for its next attempt.

@@ -166,7 +166,7 @@ struct APIRoutes: Sendable {
     guard item.itemID == itemID else {
       throw APIError.badRequest("invalid", "the body's itemID '\(item.itemID)' does not match the path")
     }
-    do { try ItemName.validate(item.name) } catch let e as UbiqError {
+    do { try ItemName.validateInCloud(item.name) } catch let e as UbiqError {
       if case .nameTooLong = e { throw APIError.badRequest("name_too_long", e.description) }
       throw APIError.badRequest("invalid_name", e.description)
     }

@@ -189,7 +189,9 @@ public final class ChangePuller: @unchecked Sendable {
 
   /// Hands the results that changed something here to `onApplied`; returns how many there were.
   private func report(_ results: [RemoteApplyResult]) -> Int {
-    let effective = results.filter { $0.outcome != .unchanged && $0.outcome != .locallyModified }
+    let effective = results.filter {
+      $0.outcome != .unchanged && $0.outcome != .locallyModified && $0.outcome != .refused
+    }
     if !effective.isEmpty { onApplied(effective) }
     return effective.count
   }

@@ -104,6 +104,9 @@ struct StatusCommand: ParsableCommand {
         if q.waitingForParent > 0 {
           print("  \(q.waitingForParent) changes from the cloud wait for a folder that is not here yet")
         }
+        for r in q.refusedRecords {
+          print("  refused a change from the cloud: item \(r.itemID) (name \(String(reflecting: r.name))): \(r.reason)")
+        }
       }
     }
   }

@@ -1904,6 +1904,60 @@ final class SyncSimulation {
     }
   }
 
+  /// Records that break a rule of the cloud's tree (a name no item may have, a folder of their
+  /// own, a name that stays on its device), which a cloud that checks nothing could send: each
+  /// is refused, with its reason in `ubiqfs status`, the rest of the feed applies, the token
+  /// moves on, and the item's next valid record is applied.
+  @Test func aRecordThatBreaksARuleIsRefusedAndTheFeedMovesOn() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      try a.writeFile("kept.txt", Data("kept\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let keptInode = try #require(try b.inode("kept.txt"))
+      let kept = try #require(try b.index.item(keptInode))
+      func commit(_ item: CloudItem, ifMatch: String? = nil) throws {
+        _ = try runBlocking {
+          try await cloud.metadata.commit(
+            account: cloud.account, container: a.container.rawValue, item: item, ifMatch: ifMatch, chunks: [],
+            rule: nil)
+        }
+      }
+      func folder(_ id: String, _ name: String, in parent: String = WellKnownItem.documents) -> CloudItem {
+        CloudItem(itemID: id, parentID: parent, name: name, kind: .directory, mode: 0o755, size: 0, mtimeNs: 0)
+      }
+      try commit(folder("slash-1", "a/b"))
+      try commit(folder("dots-1", ".."))
+      try commit(folder("self-1", "self", in: "self-1"))
+      try commit(folder("local-1", "x.nosync"))
+      try commit(folder("inner-1", "inner", in: "local-1"))
+      var renamed = try #require(kept.baseItem)
+      renamed.name = "bad/name"
+      try commit(renamed, ifMatch: kept.etag)
+      try a.writeFile("fine.txt", Data("synced\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      #expect(try b.readFile("fine.txt") == Data("synced\n".utf8))
+      #expect(try b.readFile("kept.txt") == Data("kept\n".utf8), "a rename to a name no item may have is refused")
+      let names = Set(try b.listing("")).subtracting([".", ".."])
+      #expect(names == ["fine.txt", "kept.txt"])
+      let token = try b.index.changeToken()
+      let moreToPull = try runBlocking { try await cloud.waitForChanges(b.container, since: token, timeoutMs: 300) }
+      #expect(!moreToPull, "the change token moved past the refused records")
+      let summary = try b.index.queueSummary()
+      #expect(summary.refusedRecords.count == 5, "\(summary.refusedRecords)")
+      #expect(summary.waitingForParent == 1, "the item in the refused folder waits for it")
+      #expect(summary.refusedRecords.contains { $0.itemID == "local-1" && $0.reason.contains(".nosync") })
+      // A valid record of a refused item supersedes the refusal and is applied, with its items.
+      let refused = try runBlocking { try await cloud.item(a.container, itemID: "local-1") }
+      try commit(folder("local-1", "x"), ifMatch: refused?.etag)
+      try b.pull()
+      #expect(try b.inode("x/inner") != nil)
+      let after = try b.index.queueSummary()
+      #expect(after.refusedRecords.count == 4 && after.waitingForParent == 0, "\(after)")
+    }
+  }
+
   /// Crossed moves where undoing the move on the way needs another folder's move undone first
   /// (found by the planner's property test on random trees): device a moves d3 into d4 and then
   /// d2 below d3; device b, first in the cloud, moves d4 below d2/d3/d7. b's move wins on both

@@ -421,6 +421,7 @@ def test_accounts_never_see_each_other(new_account):
         (".", "invalid_name"),
         ("..", "invalid_name"),
         ("", "invalid_name"),
+        ("kept.nosync", "invalid_name"),
         ("x" * 256, "name_too_long"),
         ("é" * 128, "name_too_long"),
     ],

@@ -1,0 +1,58 @@
+/// A rule of the cloud's tree that an item version breaks. The cloud refuses such a version
+/// (`CloudEngine`), and a device refuses such a record from the change feed, which a cloud that
+/// checks nothing could send, so no device shows it.
+public enum BrokenItemRule: Error, Sendable, Equatable, CustomStringConvertible {
+  /// An item, parent or version id that is not an identifier.
+  case invalidID(String)
+  /// An item that is its own folder: a cycle of one.
+  case cycle(String)
+  /// Any other rule; the text says which.
+  case invalid(String)
+
+  public var description: String {
+    switch self {
+    case .invalidID(let what): return "invalid \(what)"
+    case .cycle(let why): return why
+    case .invalid(let why): return why
+    }
+  }
+}
+
+extension ItemName {
+  /// Throws for a name no cloud item may have: an invalid name, or one that stays on its device
+  /// (`.nosync`), which a device never uploads.
+  public static func validateInCloud(_ name: String) throws {
+    try validate(name)
+    if isNoSync(name) {
+      throw UbiqError.invalidArgument("'\(name)' ends in .nosync: such an item stays on its device")
+    }
+  }
+}
+
+extension CloudItem {
+  /// The first rule of the cloud's tree this version breaks, or nil. (The container root,
+  /// which the cloud makes and nothing writes, has no parent.)
+  public var brokenRule: BrokenItemRule? {
+    guard Identifier.isValid(itemID) else { return .invalidID("item id \(Identifier.quoted(itemID))") }
+    if let parentID, !Identifier.isValid(parentID) {
+      return .invalidID("parent id \(Identifier.quoted(parentID))")
+    }
+    for v in conflicts ?? [] where !Identifier.isValid(v.versionID) {
+      return .invalidID("conflict version id \(Identifier.quoted(v.versionID))")
+    }
+    if deviceID.utf8.count > 128 || (contentDeviceID?.utf8.count ?? 0) > 128 {
+      return .invalid("device id longer than 128 bytes")
+    }
+    if (settledNameOf?.utf8.count ?? 0) > 128 { return .invalid("settledNameOf longer than 128 bytes") }
+    do { try ItemName.validateInCloud(name) } catch { return .invalid("\(error)") }
+    guard let parentID else { return .invalid("item \(itemID) has no parent") }
+    if parentID == itemID { return .cycle("item \(itemID) is its own folder") }
+    if itemID == WellKnownItem.documents && parentID != WellKnownItem.root {
+      return .invalid("Documents stays in the container root")
+    }
+    if kind == .symlink && (symlinkTarget ?? "").isEmpty { return .invalid("symlink without target") }
+    if size < 0 { return .invalid("negative size") }
+    if (conflicts ?? []).contains(where: { $0.size < 0 }) { return .invalid("negative conflict version size") }
+    return nil
+  }
+}
