@@ -5,6 +5,7 @@ Every test runs on real mounts of the real binary, against each cloud mode."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import Ubiq, ubiq_mounts
+from conftest import CLOUD_MODE, Ubiq, another_device, ubiq_mounts
 from helpers import RENAME_EXCHANGE, RENAME_NOREPLACE, assert_errno, renameat2, sha256, sha256_file
 from test_devices_and_content import device2, wait_for  # noqa: F401  (device2 is a fixture)
 
@@ -269,3 +270,60 @@ def test_o_trunc_truncates_what_another_handle_wrote(ubiq):
     assert f.read_bytes() == b"B" * 29 + b"\n"
     ubiq.sync()
     assert ubiq.cloud_content(ubiq.item_id(f)) == b"B" * 29 + b"\n"
+
+
+def _store_unchecked(ubiq: Ubiq, record: dict) -> None:
+    """Stores `record` in the embedded cloud's database as a new change, bypassing every rule
+    the cloud checks: what a cloud that checks nothing could send."""
+    db = ubiq._cloud_db()
+    try:
+        with db:
+            (seq,) = db.execute(
+                "UPDATE containers SET lastSeq = lastSeq + 1 WHERE account = 'local' AND container = ? RETURNING lastSeq",
+                (ubiq.container,),
+            ).fetchone()
+            record = dict(record, changeSeq=seq, etag=str(seq))
+            db.execute(
+                """INSERT INTO items(account, container, itemID, changeSeq, etag, deleted, record, parentID, name)
+                   VALUES ('local', ?, ?, ?, ?, 0, ?, ?, ?)
+                   ON CONFLICT(account, container, itemID) DO UPDATE SET changeSeq = excluded.changeSeq,
+                     etag = excluded.etag, record = excluded.record, parentID = excluded.parentID,
+                     name = excluded.name""",
+                (ubiq.container, record["itemID"], seq, str(seq), json.dumps(record).encode(), record["parentID"],
+                 record["name"]),
+            )
+    finally:
+        db.close()
+
+
+@pytest.mark.skipif(CLOUD_MODE != "embedded", reason="writes a record no server stores into the embedded cloud's database")
+def test_a_record_that_breaks_a_rule_is_refused_and_sync_goes_on(ubiq, tmp_path_factory):
+    """The cloud renames a synced file to a name with '/' and adds a folder named `x.nosync`:
+    records `ubiqfs serve` refuses, which a cloud that checks nothing could send. Each device
+    refuses them (the file stays as it was; the folder does not appear), says so in `ubiqfs
+    status`, and goes on syncing everything else."""
+    kept = ubiq.docs / "kept.txt"
+    kept.write_text("kept\n")
+    ubiq.sync()
+    record = ubiq.cloud_item_for(kept)
+    ubiq.unmount()
+    _store_unchecked(ubiq, dict(record, name="bad/name"))
+    _store_unchecked(ubiq, dict(record, itemID="nosync-folder-1", name="x.nosync", kind=2, size=0, chunks=[]))
+    ubiq.mount()
+    after = ubiq.docs / "after.txt"
+    after.write_text("after\n")
+    ubiq.sync()
+    assert sorted(os.listdir(ubiq.docs)) == ["after.txt", "kept.txt"]
+    assert kept.read_text() == "kept\n"
+    refused = ubiq.status()[0]["queue"]["refusedRecords"]
+    assert sorted(r["name"] for r in refused) == ["bad/name", "x.nosync"], refused
+    assert any(".nosync" in r["reason"] for r in refused), refused
+    text = ubiq.run("status").stdout
+    assert "refused a change from the cloud: item nosync-folder-1" in text, text
+    # A new device gets every valid record and refuses the same two.
+    with another_device(ubiq, tmp_path_factory, "fresh") as fresh:
+        fresh.mount()
+        assert sorted(os.listdir(fresh.docs)) == ["after.txt"]
+        assert (fresh.docs / "after.txt").read_text() == "after\n"
+        assert len(fresh.status()[0]["queue"]["refusedRecords"]) == 2
+        fresh.unmount()
