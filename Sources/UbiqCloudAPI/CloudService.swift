@@ -8,10 +8,46 @@ public struct ChangeBatch: Codable, Sendable {
   /// Pass this as `since` to continue.
   public var token: Int64
   public var hasMore: Bool
-  public init(items: [CloudItem], token: Int64, hasMore: Bool) {
+  /// Records of the page read from JSON that are no item version (`JSONReadable`): not part of
+  /// the wire format.
+  public var unreadable: [UnreadableRecord] = []
+
+  enum CodingKeys: String, CodingKey { case items, token, hasMore }
+
+  public init(items: [CloudItem], token: Int64, hasMore: Bool, unreadable: [UnreadableRecord] = []) {
     self.items = items
     self.token = token
     self.hasMore = hasMore
+    self.unreadable = unreadable
+  }
+}
+
+/// A record of a change page that is valid JSON but no item version (a field missing or of
+/// the wrong type), which only a cloud that checks nothing could send: a device refuses it
+/// alone, and the rest of the page applies.
+public struct UnreadableRecord: Sendable, Equatable {
+  /// The record's item id and change sequence, where they could be read.
+  public var itemID: String?
+  public var changeSeq: Int64?
+  /// Why it could not be read.
+  public var error: String
+
+  /// What can be read of `raw`, a JSON value that `CloudItem.read` refused with `error`.
+  init(_ raw: Data, error: Error) {
+    self.error = "\(error)"
+    var itemID: String?
+    var changeSeq: Int64?
+    _ = try? JSONReader.read(raw) { r in
+      try r.object { r, key in
+        switch key {
+        case "itemID": itemID = try? r.string(field: key)
+        case "changeSeq": changeSeq = try? r.integer(field: key)
+        default: try r.skipValue()
+        }
+      }
+    }
+    self.itemID = itemID
+    self.changeSeq = changeSeq
   }
 }
 
@@ -263,11 +299,23 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
 extension ChangeBatch: JSONReadable {
   public static func read(from reader: inout JSONReader) throws -> ChangeBatch {
     var items: [CloudItem]?
+    var unreadable: [UnreadableRecord] = []
     var token: Int64?
     var hasMore: Bool?
     try reader.object { r, key in
       switch key {
-      case "items": items = try r.array { try CloudItem.read(from: &$0) }
+      case "items":
+        // Each record alone: one that is no item version does not make the page unreadable.
+        var read: [CloudItem] = []
+        try r.forEachElement { r in
+          let raw = try r.rawValue()
+          do {
+            read.append(try JSONReader.read(raw) { try CloudItem.read(from: &$0) })
+          } catch {
+            unreadable.append(UnreadableRecord(raw, error: error))
+          }
+        }
+        items = read
       case "token": token = try r.integer(field: key)
       case "hasMore": hasMore = try r.bool(field: key)
       default: try r.skipValue()
@@ -276,7 +324,7 @@ extension ChangeBatch: JSONReadable {
     guard let items else { throw JSONReader.Failure.missing(field: "items") }
     guard let token else { throw JSONReader.Failure.missing(field: "token") }
     guard let hasMore else { throw JSONReader.Failure.missing(field: "hasMore") }
-    return ChangeBatch(items: items, token: token, hasMore: hasMore)
+    return ChangeBatch(items: items, token: token, hasMore: hasMore, unreadable: unreadable)
   }
 }
 

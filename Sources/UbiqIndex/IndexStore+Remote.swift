@@ -734,13 +734,24 @@ extension IndexStore {
 
   /// Remembers a record refused for breaking `rule`, unless a later record of its item is.
   static func refuseRemote(_ db: Database, _ r: CloudItem, _ rule: BrokenItemRule) throws {
+    try refuseRemote(db, RefusedRecord(itemID: r.itemID, name: r.name, reason: rule.description), at: r.changeSeq)
+  }
+
+  /// Remembers a record of the change feed that is refused (`RefusedRecord`), at change
+  /// sequence `changeSeq`, unless a later record of its item is: a record that is no item
+  /// version at all, which nothing here applies.
+  public func refuseRemote(_ refused: RefusedRecord, at changeSeq: Int64) throws {
+    try write { db in try Self.refuseRemote(db, refused, at: changeSeq) }
+  }
+
+  static func refuseRemote(_ db: Database, _ refused: RefusedRecord, at changeSeq: Int64) throws {
     try db.cached(
       """
       INSERT INTO refusedRemote(itemID, changeSeq, name, reason) VALUES (?, ?, ?, ?)
       ON CONFLICT(itemID) DO UPDATE SET changeSeq = excluded.changeSeq, name = excluded.name, reason = excluded.reason
       WHERE excluded.changeSeq > refusedRemote.changeSeq
       """
-    ).execute(arguments: [r.itemID, r.changeSeq, r.name, rule.description])
+    ).execute(arguments: [refused.itemID, changeSeq, refused.name, refused.reason])
   }
 
   /// The held remote records, oldest change first.

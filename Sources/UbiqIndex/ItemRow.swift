@@ -254,6 +254,12 @@ public struct RefusedRecord: Sendable, Codable, Equatable {
   public var itemID: String
   public var name: String
   public var reason: String
+
+  public init(itemID: String, name: String, reason: String) {
+    self.itemID = itemID
+    self.name = name
+    self.reason = reason
+  }
 }
 
 /// An upload that failed at least once and is waiting for its next attempt.

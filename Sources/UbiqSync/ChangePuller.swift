@@ -75,6 +75,13 @@ public final class ChangePuller: @unchecked Sendable {
       defer { applied += report(all) }
       let since = token
       let batch = try await cloud.changes(container, since: since, limit: 500)
+      // Records that are no item version are refused one by one; the rest of the page applies.
+      for record in batch.unreadable {
+        log.warning("refused a record of the change feed: \(record.error)")
+        try index.refuseRemote(
+          RefusedRecord(itemID: record.itemID ?? "(no item id)", name: "", reason: "unreadable: \(record.error)"),
+          at: record.changeSeq ?? batch.token)
+      }
       let known = try await localEtags(of: batch.items)
       // Records of items that are not here (a new device's catch-up is all of them) are applied
       // together, a run at a time, in feed order; any other record alone, under its inode's lock.

@@ -1958,6 +1958,32 @@ final class SyncSimulation {
     }
   }
 
+  /// A page of the change feed whose JSON holds a record that is no item version (a field of
+  /// the wrong type): that record alone is refused and listed by `ubiqfs status`; the page's
+  /// other records apply and the feed moves on.
+  @Test func aRecordThatIsNoItemVersionIsRefusedAndThePageApplies() async throws {
+    try await onOwnThread {
+      let (a, _, cloud) = try CoreWorld.pair()
+      let reread = PageRewriter(cloud) { page in
+        var json = [UInt8]("{\"items\":".utf8)
+        RecordJSON.writeArray(page.items, into: &json)
+        json.removeLast()  // "]"
+        let broken = #"{"itemID":"broken-1","changeSeq":\#(page.token),"name":"x","kind":"folder"}"#
+        json += Array(
+          "\(page.items.isEmpty ? "" : ",")\(broken)],\"token\":\(page.token),\"hasMore\":\(page.hasMore)}".utf8)
+        return try JSONReader.read(Data(json)) { try ChangeBatch.read(from: &$0) }
+      }
+      let b = try CoreWorld(cloud: reread)
+      try a.writeFile("fine.txt", Data("synced\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      #expect(try b.readFile("fine.txt") == Data("synced\n".utf8))
+      let refused = try b.index.queueSummary().refusedRecords
+      #expect(refused.map(\.itemID) == ["broken-1"], "\(refused)")
+      #expect(refused.first?.reason.contains("unreadable") == true, "\(refused)")
+    }
+  }
+
   /// Crossed moves where undoing the move on the way needs another folder's move undone first
   /// (found by the planner's property test on random trees): device a moves d3 into d4 and then
   /// d2 below d3; device b, first in the cloud, moves d4 below d2/d3/d7. b's move wins on both
@@ -3193,5 +3219,41 @@ final class SyncSimulation {
     await Self.randomSequences(
       "folder simulation", budget: Self.budget().share(cases: 1.0 / 3, seconds: 2.0 / 3, atLeast: 1),
       generator: Self.folderStepGenerator, setup: Self.folderSetup)
+  }
+}
+
+/// A cloud whose change pages pass through `rewrite` (what the device reads of them).
+final class PageRewriter: CloudService, @unchecked Sendable {
+  let inner: CloudService
+  let rewrite: @Sendable (ChangeBatch) throws -> ChangeBatch
+
+  init(_ inner: CloudService, rewrite: @escaping @Sendable (ChangeBatch) throws -> ChangeBatch) {
+    self.inner = inner
+    self.rewrite = rewrite
+  }
+
+  func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
+    try rewrite(try await inner.changes(container, since: since, limit: limit))
+  }
+  func getChunk(hash: String, range: Range<Int64>?) async throws -> Data {
+    try await inner.getChunk(hash: hash, range: range)
+  }
+  func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
+  func missingChunks(_ hashes: [String]) async throws -> Set<String> { try await inner.missingChunks(hashes) }
+  func putChunk(hash: String, data: Data) async throws { try await inner.putChunk(hash: hash, data: data) }
+  func putItem(_ container: ContainerID, _ item: CloudItem, ifMatch: String?) async throws -> CloudItem {
+    try await inner.putItem(container, item, ifMatch: ifMatch)
+  }
+  func deleteItem(_ container: ContainerID, itemID: String, ifMatch: String?, deviceID: String) async throws
+    -> CloudItem
+  {
+    try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+  }
+  func item(_ container: ContainerID, itemID: String) async throws -> CloudItem? {
+    try await inner.item(container, itemID: itemID)
+  }
+  func usage() async throws -> Usage { try await inner.usage() }
+  func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
+    try await inner.waitForChanges(container, since: since, timeoutMs: timeoutMs)
   }
 }
