@@ -16,6 +16,8 @@ public struct TreeProblem: Sendable, Equatable, CustomStringConvertible {
     case cycle
     /// Another live item of the same parent has the same name (`members`: all of them).
     case duplicateName = "duplicate-name"
+    /// The name is one no cloud item may have (`ItemName.validateInCloud`).
+    case badName = "bad-name"
   }
   public var kind: Kind
   /// The item a repair changes: moved to lost+found, or (duplicate names) renamed.
@@ -26,6 +28,7 @@ public struct TreeProblem: Sendable, Equatable, CustomStringConvertible {
     switch kind {
     case .cycle: return "cycle: \(members.joined(separator: " -> ")) (repair moves \(itemID) to lost+found)"
     case .duplicateName: return "duplicate-name: \(members.joined(separator: ", ")) (repair renames \(itemID))"
+    case .badName: return "bad-name: \(itemID) (repair renames it)"
     default: return "\(kind.rawValue): \(itemID)"
     }
   }
@@ -44,7 +47,7 @@ extension CloudEngine {
 
   /// Every break of the tree invariants in the container's stored records (the newest
   /// version of each item): live items under a missing, deleted or non-directory parent, loops
-  /// of parents, live namesakes in one folder.
+  /// of parents, names no cloud item may have, live namesakes in one folder.
   public static func treeProblems(_ items: [CloudItem]) -> [TreeProblem] {
     var byID: [String: CloudItem] = [:]
     for i in items { byID[i.itemID] = i }
@@ -85,6 +88,9 @@ extension CloudEngine {
       }
       settled.formUnion(path)
     }
+    for i in live where (try? ItemName.validateInCloud(i.name)) == nil {
+      problems.append(TreeProblem(kind: .badName, itemID: i.itemID, members: [i.itemID]))
+    }
     // Namesakes: the item that reached the cloud first keeps the name, as on the clients.
     var byPlace: [String: [CloudItem]] = [:]
     for i in live { byPlace["\(i.parentID ?? "")/\(i.name)", default: []].append(i) }
@@ -112,8 +118,9 @@ extension CloudEngine {
   }
 
   /// Checks a container's tree; with `repair`, moves every item under a missing, deleted or
-  /// non-directory parent, and one member of every loop, into `Documents/lost+found`, and gives
-  /// later namesakes a free "name N" name. Nothing is deleted. Each repair is an ordinary
+  /// non-directory parent, and one member of every loop, into `Documents/lost+found`, gives
+  /// later namesakes a free "name N" name, and an item whose name no cloud item may have a
+  /// valid one (`ItemName.repaired`). Nothing is deleted. Each repair is an ordinary
   /// commit (If-Match on the record it read), so clients pick it up from the change feed.
   public func checkTree(_ container: ContainerID, repair: Bool, deviceID: String = "server-check") async throws
     -> TreeReport
@@ -130,12 +137,14 @@ extension CloudEngine {
       else { continue }
       var moved = item
       moved.setWriter(deviceID, contentAuthor: item.contentAuthor)
-      if p.kind == .duplicateName {
-        moved.name = try await freeName(container, parentID: item.parentID ?? WellKnownItem.documents, item.name)
+      // Every repair leaves the item a name a cloud item may have.
+      let name = (try? ItemName.validateInCloud(item.name)) == nil ? ItemName.repaired(item.name) : item.name
+      if p.kind == .duplicateName || p.kind == .badName {
+        moved.name = try await freeName(container, parentID: item.parentID ?? WellKnownItem.documents, name)
       } else {
         if lostAndFound == nil { lostAndFound = try await ensureLostAndFound(container, deviceID: deviceID) }
         moved.parentID = lostAndFound!.itemID
-        moved.name = try await freeName(container, parentID: lostAndFound!.itemID, item.name)
+        moved.name = try await freeName(container, parentID: lostAndFound!.itemID, name)
       }
       // A move keeps the record's chunks: nothing for a collection pass to race with.
       _ = try await metadata.commit(

@@ -27,6 +27,18 @@ extension ItemName {
       throw UbiqError.invalidArgument("'\(name)' ends in .nosync: such an item stays on its device")
     }
   }
+
+  /// A name a cloud item may have, made from one it may not (what a repair renames such an
+  /// item to): '/' and NUL become '_', a `.nosync` ending becomes `_nosync`, an empty name,
+  /// "." and ".." become "unnamed", and the name is cut at a character to leave room for a
+  /// number (" 99") within `maxBytes`.
+  public static func repaired(_ name: String) -> String {
+    var out = String(name.map { $0 == "/" || $0 == "\u{0}" ? "_" : $0 })
+    if isNoSync(out) { out = String(out.dropLast(".nosync".count)) + "_nosync" }
+    if out.isEmpty || out == "." || out == ".." { out = "unnamed" }
+    while out.utf8.count > maxBytes - 8 { out.removeLast() }
+    return out
+  }
 }
 
 extension CloudItem {

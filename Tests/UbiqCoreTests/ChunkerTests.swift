@@ -119,5 +119,18 @@ final class ChunkerTests: XCTestCase {
     XCTAssertEqual(ItemName.numbered("README", 3), "README 3")
     XCTAssertThrowsError(try ContainerID("bad/id"))
     XCTAssertNoThrow(try ContainerID("iCloud.com.example.notes"))
+    // A cloud item's name: valid, and not a name that stays on its device.
+    XCTAssertThrowsError(try ItemName.validateInCloud("keep.nosync"))
+    XCTAssertNoThrow(try ItemName.validateInCloud("keep.nosync.txt"))
+    // A repair makes every name one a cloud item may have, with room for a number.
+    let long = String(repeating: "é", count: 200)
+    for bad in ["a/b", "", ".", "..", "x\u{0}y", "k.nosync", ".nosync", long, long + "/"] {
+      let repaired = ItemName.repaired(bad)
+      XCTAssertNoThrow(try ItemName.validateInCloud(repaired), bad)
+      XCTAssertNoThrow(try ItemName.validateInCloud(ItemName.numbered(repaired, 99)), bad)
+    }
+    XCTAssertEqual(ItemName.repaired("a/b"), "a_b")
+    XCTAssertEqual(ItemName.repaired("k.nosync"), "k_nosync")
+    XCTAssertEqual(ItemName.repaired(".."), "unnamed")
   }
 }

@@ -297,13 +297,14 @@ def test_server_check_reports_and_repairs_bad_trees(storage, api):
     _corrupt(
         storage,
         [folder("orphan", "orphan", parent="gone"), folder("cy1", "cy1", parent="cy2"), folder("cy2", "cy2", parent="cy1"),
-         folder("kid", "kid", parent="cy1")],
+         folder("kid", "kid", parent="cy1"), folder("slash", "a/b"), folder("local", "k.nosync")],
         api.account,
     )
     found = run_cli(*check, env_extra=storage.env(), check=False)
     assert found.returncode != 0, found
     out = found.stdout + found.stderr
     assert "orphan" in out and "cy1" in out and "cy2" in out, out
+    assert "bad-name: slash" in out and "bad-name: local" in out, out
     # --json: one object per container, the damaged one with its problems.
     found_json = run_cli(*check, "--json", env_extra=storage.env(), check=False)
     assert found_json.returncode != 0, found_json
@@ -326,3 +327,6 @@ def test_server_check_reports_and_repairs_bad_trees(storage, api):
     assert moved, items
     assert items["kid"]["parentID"] == "cy1" and not items["kid"]["deleted"]
     assert not any(i["deleted"] for i in items.values())
+    # Bad names are renamed where the items are.
+    assert (items["slash"]["name"], items["slash"]["parentID"]) == ("a_b", "documents"), items["slash"]
+    assert (items["local"]["name"], items["local"]["parentID"]) == ("k_nosync", "documents"), items["local"]
