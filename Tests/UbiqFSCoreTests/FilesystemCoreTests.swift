@@ -567,12 +567,14 @@ extension FilesystemCoreTests {
 /// change feed is read and before it is handed over, and `beforePut` before a version is
 /// committed, so a test can act between the two. `loseReplies`: that many of the next puts and
 /// deletes are carried out and their replies lost (the client sees the network fail).
+/// `rewritePage`: what a device reads of each page of the change feed.
 final class GatedCloud: CloudService, @unchecked Sendable {
   let inner: CloudService
   private let lock = NSCondition()
   private var held = false
   private var changesHook: (@Sendable () throws -> Void)?
   private var putHook: (@Sendable () throws -> Void)?
+  private var pageHook: (@Sendable (ChangeBatch) throws -> ChangeBatch)?
   private var repliesToLose = 0
 
   var loseReplies: Int {
@@ -593,6 +595,11 @@ final class GatedCloud: CloudService, @unchecked Sendable {
   var afterChanges: (@Sendable () throws -> Void)? {
     get { lock.withLock { changesHook } }
     set { lock.withLock { changesHook = newValue } }
+  }
+
+  var rewritePage: (@Sendable (ChangeBatch) throws -> ChangeBatch)? {
+    get { lock.withLock { pageHook } }
+    set { lock.withLock { pageHook = newValue } }
   }
 
   var beforePut: (@Sendable () throws -> Void)? {
@@ -640,7 +647,7 @@ final class GatedCloud: CloudService, @unchecked Sendable {
   func changes(_ container: ContainerID, since: Int64, limit: Int) async throws -> ChangeBatch {
     let batch = try await inner.changes(container, since: since, limit: limit)
     try afterChanges?()
-    return batch
+    return try rewritePage?(batch) ?? batch
   }
   func usage() async throws -> Usage { try await inner.usage() }
   func waitForChanges(_ container: ContainerID, since: Int64, timeoutMs: Int) async throws -> Bool {
