@@ -166,14 +166,19 @@ extension IndexStore {
         return
       }
       // Deleted while uploading: the version just created must go too, keeping the versions
-      // of other devices it may carry (a merge's).
+      // of other devices it may carry (a merge's). A merge (`adopted`) also carries changes
+      // of other devices that the user had not seen when they deleted the item (its content,
+      // when only its mode changed here): the delete stays on the version they saw, its etag
+      // and place, and meets the merge in the cloud as a change made elsewhere, which wins.
       try self.enqueueDelete(
         db,
         CloudDelete(
-          itemID: itemID, etag: result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
-          seen: result.parentID.map {
-            ItemPlace(parentID: $0, name: result.name, mode: result.mode, xattrs: result.xattrs)
-          }))
+          itemID: itemID, etag: adopted ? nil : result.etag, keepsVersions: !(result.conflicts ?? []).isEmpty,
+          seen: adopted
+            ? nil
+            : result.parentID.map {
+              ItemPlace(parentID: $0, name: result.name, mode: result.mode, xattrs: result.xattrs)
+            }))
       return
     }
     if placeOnly {

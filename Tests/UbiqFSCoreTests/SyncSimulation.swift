@@ -1615,6 +1615,15 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 1 changes f's mode; device 0 edits f and reaches the cloud first; while device 1
+    // sends its chmod, its user deletes f. The chmod meets the edit and merges (device 0's
+    // content, device 1's mode): the delete, made on the version the user saw, must meet that
+    // merge as a change made elsewhere, so f comes back with device 0's bytes (found by the
+    // sim soak, seed dt+BMuLH9Qm3aff2H6bL9lLLOPDpevkY7B3cN6F1CQw=: the delete went on the merge).
+    [
+      (0, 0, 0, 0, 0), (0, 6, 0, 0, 1), (1, 20, 0, 0, 0), (0, 0, 0, 0, 0), (1, 16, 0, 0, 0), (0, 6, 0, 0, 1),
+      (1, 23, 0, 0, 255),
+    ],
     // Device 0's upload of f meets device 1's edit and merges; while the merged version is
     // committed, the user renames f to g on device 0. The rename is newer than the merge: f
     // ends as g on every device (the rename check of the simulation; where the merge's
