@@ -153,9 +153,11 @@ extension IndexStore {
       if let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE itemID = ?"), arguments: [itemID]) {
         // Replaced while uploading by a file renamed over it, which took over its identity (an
         // atomic save): the version just created is the cloud's current one, and the heir's
-        // own change goes on top of it.
-        // The version's conflict versions (a merge's) stay with the heir.
-        if (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
+        // own change goes on top of it. The version's conflict versions stay with the heir.
+        // Not on top of a merge (`adopted`): it carries changes of other devices that the user
+        // had not seen when they saved (the content, when only the mode changed here), so the
+        // heir stays on the version they saw and its commit merges with the cloud's.
+        if !adopted, (heir.baseItem?.changeSeq ?? -1) < result.changeSeq {
           try db.execute(
             sql: "UPDATE items SET etag = ?, base = ?, chunks = ?, conflicts = ? WHERE id = ?",
             arguments: [

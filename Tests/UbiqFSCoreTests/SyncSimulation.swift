@@ -1624,6 +1624,13 @@ final class SyncSimulation {
       (0, 0, 0, 0, 0), (0, 6, 0, 0, 1), (1, 20, 0, 0, 0), (0, 0, 0, 0, 0), (1, 16, 0, 0, 0), (0, 6, 0, 0, 1),
       (1, 23, 0, 0, 255),
     ],
+    // The same with an atomic save of f on device 1 in place of the delete: the saved file takes
+    // over f's identity and must merge with device 0's edit, not go on top of the merge (which
+    // device 1's user had not seen); both contents stay, one as a conflict version.
+    [
+      (0, 0, 0, 0, 0), (0, 6, 0, 0, 1), (1, 20, 0, 0, 0), (0, 0, 0, 0, 0), (1, 16, 0, 0, 0), (0, 6, 0, 0, 1),
+      (1, 23, 0, 0, 5),
+    ],
     // Device 0's upload of f meets device 1's edit and merges; while the merged version is
     // committed, the user renames f to g on device 0. The rename is newer than the merge: f
     // ends as g on every device (the rename check of the simulation; where the merge's
