@@ -88,7 +88,7 @@ extension CloudEngine {
       }
       settled.formUnion(path)
     }
-    for i in live where (try? ItemName.validateInCloud(i.name)) == nil {
+    for i in live where !ItemName.isValidInCloud(i.name) {
       problems.append(TreeProblem(kind: .badName, itemID: i.itemID, members: [i.itemID]))
     }
     // Namesakes: the item that reached the cloud first keeps the name, as on the clients.
@@ -138,7 +138,7 @@ extension CloudEngine {
       var moved = item
       moved.setWriter(deviceID, contentAuthor: item.contentAuthor)
       // Every repair leaves the item a name a cloud item may have.
-      let name = (try? ItemName.validateInCloud(item.name)) == nil ? ItemName.repaired(item.name) : item.name
+      let name = ItemName.isValidInCloud(item.name) ? item.name : ItemName.repaired(item.name)
       if p.kind == .duplicateName || p.kind == .badName {
         moved.name = try await freeName(container, parentID: item.parentID ?? WellKnownItem.documents, name)
       } else {

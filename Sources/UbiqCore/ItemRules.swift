@@ -28,6 +28,9 @@ extension ItemName {
     }
   }
 
+  /// Whether a cloud item may have `name` (`validateInCloud`).
+  public static func isValidInCloud(_ name: String) -> Bool { (try? validateInCloud(name)) != nil }
+
   /// A name a cloud item may have, made from one it may not (what a repair renames such an
   /// item to): '/' and NUL become '_', a `.nosync` ending becomes `_nosync`, an empty name,
   /// "." and ".." become "unnamed", and the name is cut at a character to leave room for a
