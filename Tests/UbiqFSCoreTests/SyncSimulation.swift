@@ -38,10 +38,11 @@ struct SyncStep: Sendable, CustomStringConvertible {
     "write", "atomicSave", "unlink", "mkdir", "rmtree", "rename", "upload", "uploadFlaky", "pull", "crash",
     "openForWriting", "closeAll", "writeOpen", "pullFlaky", "exchange", "evict", "chmod", "mkdirs", "moveInto",
     "uploadDelayed", "pullAroundUpload", "uploadCrash", "pullCrash", "userStepDuringUpload", "setxattr",
+    "otherStepDuringUpload",
   ]
-  /// How often each kind is drawn (out of 47); `mkdirs` and `moveInto` only in the folder-heavy
+  /// How often each kind is drawn (out of 49); `mkdirs` and `moveInto` only in the folder-heavy
   /// sequences.
-  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1, 2, 2]
+  static let weights = [5, 2, 2, 3, 1, 4, 4, 2, 3, 1, 2, 1, 1, 1, 2, 1, 1, 0, 0, 2, 2, 2, 1, 2, 2, 2]
   static let drawnKinds: [Int] = weights.enumerated().flatMap { Array(repeating: $0.offset, count: $0.element) }
   /// A step by the names of its kind and path (a sequence written by hand).
   static func named(_ device: Int, _ kind: String, _ path: String = "f") -> SyncStep {
@@ -50,8 +51,14 @@ struct SyncStep: Sendable, CustomStringConvertible {
   /// What a user does while a `userStepDuringUpload` step's upload is sent, and before which
   /// of its writes (1 for the first).
   static let stepsDuringUpload = ["write", "rename", "chmod", "unlink", "moveInto", "atomicSave"]
+  /// The same for an `otherStepDuringUpload` step (two lists, so that the numbers of the
+  /// regression sequences keep their meaning).
+  static let otherStepsDuringUpload = ["exchange", "setxattr", "rmtree", "evict", "writeOpen", "mkdirs"]
   var duringUpload: (kind: String, beforeWrite: Int) {
-    (Self.stepsDuringUpload[n % Self.stepsDuringUpload.count], n / Self.stepsDuringUpload.count % 2 + 1)
+    let steps =
+      Self.kinds[kind % Self.kinds.count] == "otherStepDuringUpload"
+      ? Self.otherStepsDuringUpload : Self.stepsDuringUpload
+    return (steps[n % steps.count], n / steps.count % 2 + 1)
   }
   var p: String { Self.paths[a % Self.paths.count] }
   /// The value a `setxattr` step gives `SyncSimulation.xattrName`.
@@ -65,7 +72,7 @@ struct SyncStep: Sendable, CustomStringConvertible {
     case "rename", "exchange", "moveInto": return "\(device):\(name)(\(p), \(q))"
     case "chmod": return "\(device):chmod(\(p), \(n % 2 == 0 ? "600" : "644"))"
     case "setxattr": return "\(device):setxattr(\(p), \(SyncSimulation.xattrName)=\(xattrValue))"
-    case "userStepDuringUpload":
+    case "userStepDuringUpload", "otherStepDuringUpload":
       let (kind, k) = duringUpload
       return "\(device):upload with \(kind)(\(p), \(q)) before write \(k)"
     default: return "\(device):\(name)(\(p))"
@@ -734,7 +741,7 @@ final class SyncSimulation {
   /// The steps of the sync engine; every other step is something a user does.
   static let syncKinds: Set = [
     "upload", "uploadFlaky", "uploadDelayed", "uploadCrash", "pull", "pullFlaky", "pullAroundUpload", "pullCrash",
-    "userStepDuringUpload",
+    "userStepDuringUpload", "otherStepDuringUpload",
   ]
 
   func perform(_ s: SyncStep, _ kind: String, on d: Int) throws {
@@ -835,7 +842,7 @@ final class SyncSimulation {
       }
     case "upload":
       try upload(d)
-    case "userStepDuringUpload":
+    case "userStepDuringUpload", "otherStepDuringUpload":
       // The user acts while the uploader sends a write (a commit, a merge's commit, a delete):
       // what the uploader records when the answer comes must not undo it.
       let (userKind, k) = s.duringUpload
@@ -1600,6 +1607,7 @@ final class SyncSimulation {
     let weights = [
       "mkdirs": 4, "moveInto": 6, "rename": 2, "upload": 3, "pull": 3, "write": 2, "rmtree": 1, "crash": 1,
       "uploadFlaky": 1, "uploadDelayed": 1, "pullAroundUpload": 1, "userStepDuringUpload": 1,
+      "otherStepDuringUpload": 1,
     ]
     return weights.keys.sorted().flatMap { name in
       Array(repeating: SyncStep.kinds.firstIndex(of: name)!, count: weights[name]!)
