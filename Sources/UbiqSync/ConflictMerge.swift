@@ -30,6 +30,20 @@ public enum ConflictMerge {
     return out
   }
 
+  /// The cloud's version an upload merges with: `server` itself, or, when it breaks a rule of
+  /// the cloud's tree (a cloud that checks nothing let it through: a name no item may have, an
+  /// item that is its own folder), the same version at the local side's place, which the merge
+  /// then keeps, so that its commit puts the item back where the rules allow. Throws when the
+  /// place is not what breaks the rule.
+  public static func mergeable(_ server: CloudItem, placeOf local: CloudItem) throws(BrokenItemRule) -> CloudItem {
+    guard !server.deleted, server.brokenRule != nil else { return server }
+    var mended = server
+    mended.parentID = local.parentID
+    mended.name = local.name
+    if let broken = mended.brokenRule { throw broken }
+    return mended
+  }
+
   /// The merged record. `newVersionID` names this device's content if it loses and is kept as
   /// a conflict version (a fresh identifier; unused otherwise). `unanswered`: where the item
   /// was, and its mode, in this device's commits of it sent since its last stored one

@@ -910,9 +910,15 @@ public final class UploadWorker: @unchecked Sendable {
           seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision - 1, result: result,
           adopted: merged, placeOnly: p.placeOnly)
         throw Postpone(ns: 50_000_000)
-      } catch CloudError.conflict(let current) {
+      } catch CloudError.conflict(let stale) {
         // A merge needs the local content: the move waits with it for the writer's flush.
         if p.placeOnly { throw Postpone(ns: 500_000_000) }
+        let current: CloudItem
+        do {
+          current = try ConflictMerge.mergeable(stale, placeOf: local)
+        } catch {
+          throw CloudError.invalid("the cloud's version of \(row.name) breaks a rule of its tree: \(error)")
+        }
         // Deleted elsewhere while the only change here is a name this device's sync chose: the
         // delete wins. A file open here waits for its close (what is written meanwhile wins).
         if current.deleted {

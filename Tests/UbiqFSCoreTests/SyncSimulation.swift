@@ -1974,6 +1974,40 @@ final class SyncSimulation {
     }
   }
 
+  /// A cloud that checks nothing may hold a version that breaks a rule of the cloud's tree
+  /// (here another device's rename to a `.nosync` name, which no device uploads). A device
+  /// whose edit meets that version merges with it at its own place: it never takes the name,
+  /// and its commit puts the item back under a name the rules allow, which every device
+  /// applies.
+  @Test func aMergeWithACloudVersionThatBreaksARuleKeepsTheLocalPlace() async throws {
+    try await onOwnThread {
+      let cloud = GatedCloud()
+      cloud.checksNothing = true
+      let a = try CoreWorld(cloud: cloud)
+      let b = try CoreWorld(cloud: cloud)
+      try a.writeFile("f.txt", Data("one\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let inode = try #require(try b.inode("f.txt"))
+      let row = try #require(try b.index.item(inode))
+      let base = try #require(row.baseItem)
+      var renamed = base
+      renamed.name = "f.nosync"
+      let rename = renamed
+      _ = try runBlocking { try await cloud.putItem(a.container, rename, ifMatch: row.etag) }
+      try b.writeFile("f.txt", Data("two\n".utf8))
+      try b.drainUploads()
+      #expect(Set(try b.listing("")).subtracting([".", ".."]) == ["f.txt"])
+      #expect(try b.readFile("f.txt") == Data("two\n".utf8))
+      let stored = try runBlocking { try await cloud.item(a.container, itemID: row.itemID) }
+      #expect(stored?.name == "f.txt", "the merge's commit carries a name the rules allow")
+      #expect(try b.index.queueSummary().pendingItems == 0)
+      try a.pull()
+      #expect(Set(try a.listing("")).subtracting([".", ".."]) == ["f.txt"])
+      #expect(try a.readFile("f.txt") == Data("two\n".utf8))
+    }
+  }
+
   /// A page of the change feed whose JSON holds a record that is no item version (a field of
   /// the wrong type): that record alone is refused and listed by `ubiqfs status`; the page's
   /// other records apply and the feed moves on.
@@ -3243,9 +3277,12 @@ extension CloudEngine {
   /// Stores `item` as the container's next change without the cloud's rules (what a cloud that
   /// checks nothing, or data stored before a rule, holds).
   func storeUnchecked(_ item: CloudItem, in container: ContainerID, ifMatch: String? = nil) throws {
-    _ = try runBlocking {
-      try await self.metadata.commit(
-        account: self.account, container: container.rawValue, item: item, ifMatch: ifMatch, chunks: [], rule: nil)
-    }
+    _ = try runBlocking { try await self.commitUnchecked(item, in: container, ifMatch: ifMatch) }
+  }
+
+  /// `storeUnchecked` for async callers; returns the stored version.
+  func commitUnchecked(_ item: CloudItem, in container: ContainerID, ifMatch: String?) async throws -> CloudItem {
+    try await metadata.commit(
+      account: account, container: container.rawValue, item: item, ifMatch: ifMatch, chunks: [], rule: nil)
   }
 }
