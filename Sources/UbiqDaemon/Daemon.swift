@@ -108,6 +108,7 @@ public final class Daemon {
     }
     fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
+    fs.resync = { puller.pullEverythingAgain() }
     puller.commitInFlight = { worker.isCommitting($0) }
     puller.onApplied = { fs.remoteChangesApplied($0) }
     puller.onRecovered = {

@@ -112,8 +112,12 @@ extension FilesystemCore {
       try download(row.id!)
     case "evict":
       try evict(row)
+    case "resync":
+      // The whole container's feed, whichever item it is set on.
+      guard let resync else { throw UbiqError.notSupported("this mount does not pull from a cloud") }
+      resync()
     default:
-      throw UbiqError.invalidArgument("user.ubiq.action takes 'download' or 'evict', not '\(action)'")
+      throw UbiqError.invalidArgument("user.ubiq.action takes 'download', 'evict' or 'resync', not '\(action)'")
     }
   }
 

@@ -43,6 +43,9 @@ public final class FilesystemCore: @unchecked Sendable {
   public var uploadPercent: (Int64) -> Int? = { _ in nil }
   /// Whether the uploader is sending an inode's content now (set by the daemon).
   public var isUploading: (Int64) -> Bool = { _ in false }
+  /// Reads the cloud's change feed again from its start (`user.ubiq.action` = resync); nil
+  /// where nothing pulls (the action is refused).
+  public var resync: (() -> Void)?
   let xattrSnapshots = XattrSnapshots()
   /// Items whose cache files wait for `removeForgottenContent`.
   private var forgotten: [Int64] = []

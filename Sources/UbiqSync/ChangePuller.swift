@@ -42,6 +42,11 @@ public final class ChangePuller: @unchecked Sendable {
   /// The wait for the next change in progress, cancelled by `wake`.
   private var waiting: Task<Bool, Error>?
   private var wakeRequested = false
+  /// Requests to read the change feed from its start (`pullEverythingAgain`), and how many of
+  /// them a pull has carried out (once its first page's token is stored, the rest of the
+  /// feed follows from there even if that pull fails).
+  private var readFromStartRequests = 0
+  private var readFromStartDone = 0
 
   public init(
     index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, inodes: InodeTable,
@@ -67,6 +72,14 @@ public final class ChangePuller: @unchecked Sendable {
   public func pullOnce(budget: Duration? = nil) async throws -> Int {
     let started = ContinuousClock.now
     var token = try index.changeToken()
+    let readFromStart = lock.withLock { readFromStartRequests > readFromStartDone ? readFromStartRequests : nil }
+    if readFromStart != nil {
+      log.info("reading the change feed again from its start (token was \(token))")
+      token = 0
+    }
+    func tokenStored() {
+      if let readFromStart { lock.withLock { readFromStartDone = max(readFromStartDone, readFromStart) } }
+    }
     var applied = 0
     var deferred: [CloudItem] = []
     var stoppedMidFeed = false
@@ -149,12 +162,14 @@ public final class ChangePuller: @unchecked Sendable {
         // pull retries them, and `ubiqfs status` counts them.
         for item in deferred { try index.holdRemote(item) }
         try index.setChangeToken(token)
+        tokenStored()
         break
       }
       // Mid-feed, the token stays before the first record still waiting for its parent, which
       // may come on a later page.
       let safe = deferred.map { $0.changeSeq - 1 }.min().map { min($0, token) } ?? token
       try index.setChangeToken(safe)
+      tokenStored()
       if let budget, ContinuousClock.now - started >= budget {
         log.info("pulled changes up to \(safe) of the cloud's feed; the rest comes with the next pull")
         stoppedMidFeed = true
@@ -361,6 +376,14 @@ public final class ChangePuller: @unchecked Sendable {
       wakeRequested = true
       waiting?.cancel()
     }
+  }
+
+  /// Reads the whole change feed again, from its start, at the next pull, which starts now: a
+  /// repair of `ubiqfs check` for records this device missed. Each record goes through the
+  /// rules of any pull; one this device has applied, or a newer version of, changes nothing.
+  public func pullEverythingAgain() {
+    lock.withLock { readFromStartRequests += 1 }
+    wake()
   }
 
   public func stop() async {

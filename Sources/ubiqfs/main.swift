@@ -10,7 +10,9 @@ struct Ubiqfs: ParsableCommand {
     abstract: "iCloud-style ubiquity containers for Linux.",
     subcommands: [
       // Mounts and what they hold.
-      MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, WatchCommand.self, FindCommand.self,
+      MountCommand.self, UnmountCommand.self, StatusCommand.self, SyncCommand.self, CheckCommand.self,
+      WatchCommand.self,
+      FindCommand.self,
       DownloadCommand.self, EvictCommand.self, PinCommand.self, UnpinCommand.self,
       VersionsCommand.self, ResolveCommand.self,
       // The container's key-value store.

@@ -1393,6 +1393,17 @@ final class SyncSimulation {
     for d in devices.indices {
       check(try devices[d].index.heldRemote().isEmpty, "device \(d) still holds remote records")
     }
+    // The whole-tree comparison (`ubiqfs check`) agrees: nothing differs on any device.
+    let wholeTree = try runBlocking { [shared, container = devices[0].container] in
+      try await CloudAudit.wholeTree(cloud: shared, container: container)
+    }
+    for d in devices.indices {
+      let findings = SyncAudit.compare(local: try devices[d].index.auditSnapshot(), remote: wholeTree)
+      check(
+        findings.isEmpty,
+        "ubiqfs check on device \(d): "
+          + findings.map { "\($0.path) (\($0.itemID)): \($0.problem)" }.joined(separator: "; "))
+    }
     let records = try cloudRecords()
     let cloud = try cloudTree(records)
     check(cloud.orphans == 0, "the cloud has \(cloud.orphans) items outside the tree")
@@ -1971,6 +1982,66 @@ final class SyncSimulation {
       #expect(try b.inode("x/inner") != nil)
       let after = try b.index.queueSummary()
       #expect(after.refusedRecords.count == 4 && after.waitingForParent == 0, "\(after)")
+    }
+  }
+
+  /// `ubiqfs check` on a device whose index lost track of the cloud: records it never applied
+  /// (the token passed them), an item it never queued, a mode changed in the index without a
+  /// revision. The whole-tree comparison names each fault, and the repair (the feed read again
+  /// from its start, the uploads queued) makes the two devices and the cloud agree, with every
+  /// content kept.
+  @Test func theWholeTreeCheckFindsWhatADeviceMissedAndTheRepairMendsIt() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      for name in ["x.txt", "y.txt", "z.txt"] { try a.writeFile(name, Data("\(name) one\n".utf8)) }
+      try a.drainUploads()
+      try b.pull()
+      try a.writeFile("x.txt", Data("x.txt two\n".utf8))
+      try a.writeFile("n.txt", Data("new\n".utf8))
+      try a.core.unlink(parent: a.documents, name: "z.txt")
+      try a.drainUploads()
+      // b's token passes a's changes without applying them.
+      try b.index.setChangeToken(try runBlocking { try await cloud.lastChange(b.container) })
+      // b made w.txt, whose queue entry is gone; y.txt's mode changed in the index alone.
+      try b.writeFile("w.txt", Data("made on b\n".utf8))
+      let w = try #require(try b.inode("w.txt"))
+      let y = try #require(try b.inode("y.txt"))
+      try b.index.pool.write { db in
+        try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [w])
+        try db.execute(sql: "UPDATE items SET syncedRevision = revision WHERE id = ?", arguments: [w])
+        try db.execute(sql: "UPDATE items SET mode = 33152 WHERE id = ?", arguments: [y])  // 0o100600
+      }
+      let findings = try runBlocking {
+        try await CloudAudit.compare(index: b.index, cloud: cloud, container: b.container)
+      }
+      let found = Dictionary(uniqueKeysWithValues: findings.map { ($0.path, $0.problem) })
+      #expect(
+        found == [
+          "Documents/n.txt": .missingHere, "Documents/w.txt": .neverQueued, "Documents/x.txt": .missedChange,
+          "Documents/y.txt": .differs(["mode"]), "Documents/z.txt": .missedChange,
+        ], "\(found)")
+      #expect(findings.allSatisfy { $0.problem.isFault })
+      let onA = try runBlocking { try await CloudAudit.compare(index: a.index, cloud: cloud, container: a.container) }
+      #expect(onA.isEmpty, "\(onA)")
+      // The repair: uploads queued, the feed read again from its start.
+      let (queued, pullAgain) = try CloudAudit.queueUploads(for: findings, index: b.index)
+      #expect(queued == 2 && pullAgain)
+      b.puller.pullEverythingAgain()
+      try b.pull()
+      try b.drainUploads()
+      try a.pull()
+      for (device, w) in [("a", a), ("b", b)] {
+        let left = try runBlocking {
+          try await CloudAudit.compare(index: w.index, cloud: cloud, container: w.container)
+        }
+        #expect(left.isEmpty, "device \(device): \(left)")
+        #expect(Set(try w.listing("")).subtracting([".", ".."]) == ["n.txt", "w.txt", "x.txt", "y.txt"])
+        #expect(try w.readFile("x.txt") == Data("x.txt two\n".utf8))
+        #expect(try w.readFile("w.txt") == Data("made on b\n".utf8))
+        #expect(try w.readFile("n.txt") == Data("new\n".utf8))
+        let mode = try w.core.getattr(try #require(try w.inode("y.txt"))).mode
+        #expect(mode & 0o7777 == 0o600, "device \(device): y.txt's mode as b shows it")
+      }
     }
   }
 

@@ -1,0 +1,103 @@
+import Foundation
+import GRDB
+import UbiqCore
+
+extension IndexStore {
+  /// This device's side of `SyncAudit.compare`: every item with its folder's cloud id and its
+  /// path, what is queued, held or refused, and the change token, read in one transaction.
+  public func auditSnapshot() throws -> SyncAudit.LocalSnapshot {
+    try pool.read { db in
+      struct Node {
+        var itemID: String
+        var parent: Int64?
+        var name: String
+        var excluded: Bool
+      }
+      let token = Int64(try String.fetchOne(db, sql: "SELECT value FROM meta WHERE key = 'changeToken'") ?? "0") ?? 0
+      let queued = Set(try Int64.fetchAll(db, sql: "SELECT item FROM uploadQueue WHERE item IS NOT NULL"))
+      let dirty = Set(try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent"))
+      let queuedDeletes = Set(
+        try String.fetchAll(db, sql: "SELECT deleteItemID FROM uploadQueue WHERE deleteItemID IS NOT NULL"))
+      let heldBack = Set(
+        try String.fetchAll(db, sql: "SELECT itemID FROM heldRemote UNION SELECT itemID FROM refusedRemote"))
+      var nodes: [Int64: Node] = [:]
+      var items: [Int64: SyncAudit.LocalItem] = [:]
+      let rows = try Row.fetchCursor(
+        db,
+        sql: """
+          SELECT id, itemID, parent, name, kind, mode, size, symlinkTarget, etag, revision, syncedRevision, excluded
+          FROM items
+          """)
+      while let row = try rows.next() {
+        // By position, as selected.
+        let id: Int64 = row[0]
+        let node = Node(itemID: row[1], parent: row[2], name: row[3], excluded: row[11])
+        nodes[id] = node
+        let revision: Int64 = row[9]
+        let synced: Int64 = row[10]
+        items[id] = SyncAudit.LocalItem(
+          itemID: node.itemID, parentID: nil, name: node.name, kind: ItemKind(rawValue: row[4]) ?? .file, mode: row[5],
+          size: row[6], symlinkTarget: row[7], etag: row[8],
+          changedHere: revision != synced || queued.contains(id) || dirty.contains(id), path: "")
+      }
+      // Paths and local-only subtrees, each folder worked out once (at most 4,096 levels).
+      var paths: [Int64: String] = [Self.rootInode: ""]
+      var localOnly: [Int64: Bool] = [Self.rootInode: false]
+      func resolve(_ id: Int64) -> (path: String, localOnly: Bool) {
+        var chain: [Int64] = []
+        var cur: Int64? = id
+        while let c = cur, paths[c] == nil, let node = nodes[c], chain.count < 4096 {
+          chain.append(c)
+          cur = node.parent
+        }
+        var path = cur.flatMap { paths[$0] } ?? "?"
+        var only = cur.flatMap { localOnly[$0] } ?? false
+        for c in chain.reversed() {
+          let node = nodes[c]!
+          path = path.isEmpty ? node.name : path + "/" + node.name
+          only = only || node.excluded || ItemName.isNoSync(node.name)
+          paths[c] = path
+          localOnly[c] = only
+        }
+        return (paths[id] ?? path, localOnly[id] ?? only)
+      }
+      var byItemID: [String: SyncAudit.LocalItem] = [:]
+      var localOnlyIDs = Set<String>()
+      for (id, var item) in items {
+        let (path, only) = resolve(id)
+        if only {
+          localOnlyIDs.insert(item.itemID)
+          continue
+        }
+        item.path = path
+        item.parentID = nodes[id]?.parent.flatMap { nodes[$0]?.itemID }
+        byItemID[item.itemID] = item
+      }
+      return SyncAudit.LocalSnapshot(
+        token: token, items: byItemID, queuedDeletes: queuedDeletes, heldBack: heldBack, localOnly: localOnlyIDs)
+    }
+  }
+
+  /// Queues the upload of each item as it is here (a repair of `ubiqfs check`): a new
+  /// revision, so the uploader sends it. `asNew`: the cloud has no version of it, so the row
+  /// forgets the one it was based on and is sent as a first upload. Returns how many were
+  /// queued (items no longer here, or local-only, are skipped).
+  @discardableResult
+  public func queueRepairUploads(_ itemIDs: [String], asNew: Set<String> = []) throws -> Int {
+    try write { db in
+      var queued = 0
+      for itemID in itemIDs {
+        guard let id = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [itemID]),
+          try !Self.isLocalOnly(db, id)
+        else { continue }
+        if asNew.contains(itemID) {
+          try db.cached("UPDATE items SET etag = NULL, base = NULL WHERE id = ?").execute(arguments: [id])
+        }
+        try db.cached("UPDATE items SET revision = revision + 1 WHERE id = ?").execute(arguments: [id])
+        try enqueue(db, id)
+        queued += 1
+      }
+      return queued
+    }
+  }
+}
