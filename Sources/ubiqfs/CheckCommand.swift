@@ -110,14 +110,14 @@ struct CheckCommand: ParsableCommand {
       Swift.print(String(decoding: (try? enc.encode(report)) ?? Data(), as: UTF8.self))
       return
     }
-    let where_ = state.daemon.map { " (\($0.mountpoint))" } ?? ""
+    let mountedAt = state.daemon.map { " (\($0.mountpoint))" } ?? ""
     for f in report.faults { Swift.print("\(state.container): \(f.path): \(f.problem)") }
     let inFlight = report.inFlight == 0 ? "" : "; \(report.inFlight) changes still syncing"
     if report.faults.isEmpty {
       Swift.print(
-        "\(state.container)\(where_): in agreement with the cloud\(report.repaired ? " after repair" : "")\(inFlight)")
+        "\(state.container)\(mountedAt): in agreement with the cloud\(report.repaired ? " after repair" : "")\(inFlight)")
     } else {
-      Swift.print("\(state.container)\(where_): \(report.faults.count) faults\(inFlight)")
+      Swift.print("\(state.container)\(mountedAt): \(report.faults.count) faults\(inFlight)")
     }
   }
 }
