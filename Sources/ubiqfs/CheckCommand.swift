@@ -115,7 +115,8 @@ struct CheckCommand: ParsableCommand {
     let inFlight = report.inFlight == 0 ? "" : "; \(report.inFlight) changes still syncing"
     if report.faults.isEmpty {
       Swift.print(
-        "\(state.container)\(mountedAt): in agreement with the cloud\(report.repaired ? " after repair" : "")\(inFlight)")
+        "\(state.container)\(mountedAt): in agreement with the cloud\(report.repaired ? " after repair" : "")\(inFlight)"
+      )
     } else {
       Swift.print("\(state.container)\(mountedAt): \(report.faults.count) faults\(inFlight)")
     }
