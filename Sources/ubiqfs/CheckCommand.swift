@@ -57,11 +57,17 @@ struct CheckCommand: ParsableCommand {
         throw UbiqError.invalidArgument(
           "nothing is mounted; mount a container with `ubiqfs mount [CONTAINER] MOUNTPOINT`")
       }
-      let cloud = try CloudSession.open(location.paths).makeCloud()
+      let session = try CloudSession.open(location.paths)
+      if let other = states.first(where: { $0.account != session.account }) {
+        throw UbiqError.invalidArgument(
+          "\(other.container) is mounted for account \(other.account), and this machine is signed in to \(session.account)"
+        )
+      }
+      let cloud = try session.makeCloud()
       var faulty = false
       for state in states {
         let container = try ContainerID(state.container)
-        let index = try state.openIndex(readOnly: false)
+        let index = try state.openIndex(readOnly: !repair)
         var findings = try runBlocking {
           try await CloudAudit.compare(index: index, cloud: cloud, container: container)
         }
