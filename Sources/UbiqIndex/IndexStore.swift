@@ -232,6 +232,35 @@ public final class IndexStore: @unchecked Sendable {
             itemID TEXT PRIMARY KEY, changeSeq INTEGER NOT NULL, name TEXT NOT NULL, reason TEXT NOT NULL)
           """)
     }
+    // The tree's rules, kept by the index itself: a bug that would break one makes its
+    // transaction fail (an error where it happened) instead of storing an item no path
+    // reaches. Every item but the root has a folder that exists and is a folder, a folder
+    // with items cannot be deleted, and a move cannot put a folder below itself.
+    m.registerMigration("v20-tree-rules") { db in
+      try db.execute(
+        sql: """
+          CREATE TRIGGER items_parent_exists BEFORE INSERT ON items
+          WHEN NEW.parent IS NOT NULL
+            AND NOT EXISTS (SELECT 1 FROM items WHERE id = NEW.parent AND kind = \(ItemKind.directory.rawValue))
+          BEGIN SELECT RAISE(ABORT, 'tree rule: an item''s folder must exist'); END;
+          CREATE TRIGGER items_moved_parent_exists BEFORE UPDATE OF parent ON items
+          WHEN NEW.parent IS NOT OLD.parent AND NEW.parent IS NOT NULL
+            AND NOT EXISTS (SELECT 1 FROM items WHERE id = NEW.parent AND kind = \(ItemKind.directory.rawValue))
+          BEGIN SELECT RAISE(ABORT, 'tree rule: an item''s folder must exist'); END;
+          CREATE TRIGGER items_no_cycle BEFORE UPDATE OF parent ON items
+          WHEN NEW.parent IS NOT OLD.parent AND NEW.kind = \(ItemKind.directory.rawValue) AND EXISTS (
+            WITH RECURSIVE above(id, depth) AS (
+              SELECT NEW.parent, 0
+              UNION ALL
+              SELECT items.parent, above.depth + 1 FROM items JOIN above ON items.id = above.id
+              WHERE items.parent IS NOT NULL AND above.depth < 4096)
+            SELECT 1 FROM above WHERE id = NEW.id)
+          BEGIN SELECT RAISE(ABORT, 'tree rule: a folder cannot be moved below itself'); END;
+          CREATE TRIGGER items_folder_empty_when_deleted BEFORE DELETE ON items
+          WHEN OLD.kind = \(ItemKind.directory.rawValue) AND EXISTS (SELECT 1 FROM items WHERE parent = OLD.id)
+          BEGIN SELECT RAISE(ABORT, 'tree rule: a folder with items cannot be deleted'); END;
+          """)
+    }
     return m
   }
 
