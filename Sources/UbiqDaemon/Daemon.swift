@@ -192,16 +192,14 @@ public final class Daemon {
     return 0
   }
 
-  /// The cloud creates root and Documents; a fresh index adopts their etags.
+  /// The cloud creates root and Documents; a fresh index adopts their versions.
   private func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
     let container = self.container
     for id in [WellKnownItem.root, WellKnownItem.documents] {
       guard let row = try index.item(itemID: id), row.etag == nil,
         let remote = try runBlocking({ try await cloud.item(container, itemID: id) })
       else { continue }
-      try index.pool.write { db in
-        try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [remote.etag, row.id!])
-      }
+      try index.adoptWellKnown(remote)
     }
   }
 

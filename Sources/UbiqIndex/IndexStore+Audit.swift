@@ -25,20 +25,18 @@ extension IndexStore {
       let rows = try Row.fetchCursor(
         db,
         sql: """
-          SELECT id, itemID, parent, name, kind, mode, size, symlinkTarget, etag, revision, syncedRevision, excluded
+          SELECT id, itemID, parent, name, kind, mode, size, symlinkTarget, etag, excluded
           FROM items
           """)
       while let row = try rows.next() {
         // By position, as selected.
         let id: Int64 = row[0]
-        let node = Node(itemID: row[1], parent: row[2], name: row[3], excluded: row[11])
+        let node = Node(itemID: row[1], parent: row[2], name: row[3], excluded: row[9])
         nodes[id] = node
-        let revision: Int64 = row[9]
-        let synced: Int64 = row[10]
         items[id] = SyncAudit.LocalItem(
           itemID: node.itemID, parentID: nil, name: node.name, kind: ItemKind(rawValue: row[4]) ?? .file, mode: row[5],
           size: row[6], symlinkTarget: row[7], etag: row[8],
-          changedHere: revision != synced || queued.contains(id) || dirty.contains(id), path: "")
+          changedHere: queued.contains(id) || dirty.contains(id), path: "")
       }
       // Paths and local-only subtrees, each folder worked out once (at most 4,096 levels).
       var paths: [Int64: String] = [Self.rootInode: ""]
@@ -75,6 +73,22 @@ extension IndexStore {
       }
       return SyncAudit.LocalSnapshot(
         token: token, items: byItemID, queuedDeletes: queuedDeletes, heldBack: heldBack, localOnly: localOnlyIDs)
+    }
+  }
+
+  /// How many times the mount has read the change feed again from its start to its end
+  /// (`ChangePuller.pullEverythingAgain`), over the index's life: `ubiqfs check --repair`
+  /// waits for the count to grow.
+  public func feedReadsFromStart() throws -> Int { Int(try meta("feedReadsFromStart") ?? "0") ?? 0 }
+
+  /// Counts a read of the whole change feed from its start (`feedReadsFromStart`).
+  public func noteFeedReadFromStart() throws {
+    try write { db in
+      try db.execute(
+        sql: """
+          INSERT INTO meta(key, value) VALUES ('feedReadsFromStart', '1')
+          ON CONFLICT(key) DO UPDATE SET value = CAST(CAST(value AS INTEGER) + 1 AS TEXT)
+          """)
     }
   }
 

@@ -588,6 +588,25 @@ extension IndexStore {
     }
   }
 
+  /// The cloud's version of the root or Documents, which the cloud and a fresh index each make
+  /// under the same id, becomes the row's, as a pull would apply it (its mode, time and
+  /// extended attributes, and the version as the base), unless the row already has a version
+  /// or a change of its own. With the etag alone, the pull would take the record for one this
+  /// device has applied.
+  public func adoptWellKnown(_ record: CloudItem) throws {
+    try write { db in
+      guard
+        let row = try ItemRow.fetchOne(
+          db.cached("SELECT * FROM items WHERE itemID = ? AND etag IS NULL AND revision = syncedRevision"),
+          arguments: [record.itemID]), row.kind == record.kind, !record.deleted
+      else { return }
+      try db.execute(
+        sql: "UPDATE items SET etag = ?, base = ?, mode = ?, mtimeNs = ?, ctimeNs = ? WHERE id = ?",
+        arguments: [record.etag, ItemRow.json(record), record.mode, record.mtimeNs, record.mtimeNs, row.id!])
+      try Self.replaceXattrs(db, row.id!, record.xattrs)
+    }
+  }
+
   static func replaceXattrs(_ db: Database, _ inode: Int64, _ x: [String: Data]) throws {
     try db.cached("DELETE FROM xattrs WHERE item = ?").execute(arguments: [inode])
     for (k, v) in x {

@@ -21,7 +21,9 @@ public enum SyncAudit {
     public var symlinkTarget: String?
     /// The etag of the cloud version the row derives from (nil: never uploaded).
     public var etag: String?
-    /// A local change the cloud has not confirmed, or a queue entry.
+    /// A queue entry, or bytes written through a handle and not recorded yet: what the pull's
+    /// rules count as changed here (`RemotePlanner.LocalView.changedHere`). A local revision
+    /// the cloud has not confirmed with neither is a change no upload will send.
     public var changedHere: Bool
     /// Where the mount shows it, for the report.
     public var path: String

@@ -42,11 +42,13 @@ public final class ChangePuller: @unchecked Sendable {
   /// The wait for the next change in progress, cancelled by `wake`.
   private var waiting: Task<Bool, Error>?
   private var wakeRequested = false
-  /// Requests to read the change feed from its start (`pullEverythingAgain`), and how many of
-  /// them a pull has carried out (once its first page's token is stored, the rest of the
-  /// feed follows from there even if that pull fails).
+  /// Requests to read the change feed from its start (`pullEverythingAgain`); the latest of
+  /// them whose read has begun (a pull stored the token of its first page: the rest of the
+  /// feed follows from there, by that pull or the next ones); and the latest whose read has
+  /// reached the end of the feed (counted in the index, `feedReadsFromStart`).
   private var readFromStartRequests = 0
-  private var readFromStartDone = 0
+  private var readFromStartBegun = 0
+  private var readFromStartEnded = 0
 
   public init(
     index: IndexStore, cache: ContentCache, cloud: CloudService, container: ContainerID, inodes: InodeTable,
@@ -72,13 +74,13 @@ public final class ChangePuller: @unchecked Sendable {
   public func pullOnce(budget: Duration? = nil) async throws -> Int {
     let started = ContinuousClock.now
     var token = try index.changeToken()
-    let readFromStart = lock.withLock { readFromStartRequests > readFromStartDone ? readFromStartRequests : nil }
+    let readFromStart = lock.withLock { readFromStartRequests > readFromStartBegun ? readFromStartRequests : nil }
     if readFromStart != nil {
       log.info("reading the change feed again from its start (token was \(token))")
       token = 0
     }
     func tokenStored() {
-      if let readFromStart { lock.withLock { readFromStartDone = max(readFromStartDone, readFromStart) } }
+      if let readFromStart { lock.withLock { readFromStartBegun = max(readFromStartBegun, readFromStart) } }
     }
     var applied = 0
     var deferred: [CloudItem] = []
@@ -163,6 +165,11 @@ public final class ChangePuller: @unchecked Sendable {
         for item in deferred { try index.holdRemote(item) }
         try index.setChangeToken(token)
         tokenStored()
+        if let ended = lock.withLock({ readFromStartBegun > readFromStartEnded ? readFromStartBegun : nil }) {
+          try index.noteFeedReadFromStart()
+          lock.withLock { readFromStartEnded = ended }
+          log.info("read the change feed again up to \(token)")
+        }
         break
       }
       // Mid-feed, the token stays before the first record still waiting for its parent, which

@@ -73,9 +73,16 @@ struct CheckCommand: ParsableCommand {
         }
         var repaired = false
         if repair && findings.contains(where: \.problem.isFault) {
-          try mend(findings, state: state, index: index)
+          let readsBefore = try index.feedReadsFromStart()
+          let pullAgain = try mend(findings, state: state, index: index)
           repaired = true
           let deadline = Date().addingTimeInterval(timeout)
+          // A fault may look mended while the feed is read again (the token goes back to its
+          // start, so every record is past it): the check counts once the read has ended.
+          while try pullAgain && index.feedReadsFromStart() <= readsBefore && Date() < deadline {
+            usleep(100_000)
+          }
+          findings = try runBlocking { try await CloudAudit.compare(index: index, cloud: cloud, container: container) }
           while findings.contains(where: \.problem.isFault) && Date() < deadline {
             usleep(250_000)
             findings = try runBlocking {
@@ -96,17 +103,19 @@ struct CheckCommand: ParsableCommand {
     }
   }
 
-  /// Queues the uploads that mend the faults and has the mount read its change feed again.
-  func mend(_ findings: [SyncAudit.Finding], state: ContainerState, index: IndexStore) throws {
-    let (_, pullAgain) = try CloudAudit.queueUploads(for: findings, index: index)
-    guard pullAgain else { return }
+  /// Queues the uploads that mend the faults and has the mount read its change feed again if
+  /// that mends some; returns whether it does.
+  func mend(_ findings: [SyncAudit.Finding], state: ContainerState, index: IndexStore) throws -> Bool {
     guard let mountpoint = state.daemon?.mountpoint else {
       throw UbiqError.invalidArgument("\(state.container) is not mounted: mount it to repair")
     }
+    let (_, pullAgain) = try CloudAudit.queueUploads(for: findings, index: index)
+    guard pullAgain else { return false }
     let action = "resync"
     if setxattr(mountpoint, "user.ubiq.action", action, action.utf8.count, 0) != 0 {
       throw UbiqError.io("asking the mount at \(mountpoint) to pull again: \(String(cString: strerror(errno)))")
     }
+    return true
   }
 
   func print(_ report: Report, for state: ContainerState) {

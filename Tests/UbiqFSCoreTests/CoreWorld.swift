@@ -93,9 +93,7 @@ final class CoreWorld: @unchecked Sendable {
       guard let row = try index.item(itemID: id), row.etag == nil,
         let remote = try runBlocking({ try await self.cloud.item(self.container, itemID: id) })
       else { continue }
-      try index.pool.write { db in
-        try db.execute(sql: "UPDATE items SET etag = ? WHERE id = ?", arguments: [remote.etag, row.id!])
-      }
+      try index.adoptWellKnown(remote)
     }
     let cache = try ContentCache(directory: state.appendingPathComponent("content").path)
     let inodes = InodeTable()

@@ -1985,6 +1985,29 @@ final class SyncSimulation {
     }
   }
 
+  /// A device that joins after another changed Documents' mode and attributes shows them: a
+  /// fresh index takes the cloud's version of Documents, not only its etag (with the etag
+  /// alone, the pull takes the record for one already applied, and the whole-tree check finds
+  /// the mode differing under the same etag).
+  @Test func aNewDeviceTakesDocumentsAsTheCloudHasIt() async throws {
+    try await onOwnThread {
+      let (a, _, cloud) = try CoreWorld.pair()
+      _ = try a.core.setattr(a.documents, AttributeUpdate(mode: 0o700))
+      try a.core.setxattr(a.documents, name: "user.tag", value: Data("blue".utf8), flags: [])
+      try a.drainUploads()
+      let stored = try runBlocking { try await cloud.item(a.container, itemID: WellKnownItem.documents) }
+      #expect(stored.map { $0.mode & 0o7777 } == 0o700)
+      let c = try CoreWorld(cloud: cloud)
+      try c.pull()
+      #expect(try c.core.getattr(c.documents).mode & 0o7777 == 0o700)
+      #expect(try c.index.xattr(c.documents, "user.tag") == Data("blue".utf8))
+      let findings = try runBlocking {
+        try await CloudAudit.compare(index: c.index, cloud: cloud, container: c.container)
+      }
+      #expect(findings.isEmpty, "\(findings)")
+    }
+  }
+
   /// `ubiqfs check` on a device whose index lost track of the cloud: records it never applied
   /// (the token passed them), an item it never queued, a mode changed in the index without a
   /// revision. The whole-tree comparison names each fault, and the repair (the feed read again
@@ -2008,7 +2031,6 @@ final class SyncSimulation {
       let y = try #require(try b.inode("y.txt"))
       try b.index.pool.write { db in
         try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [w])
-        try db.execute(sql: "UPDATE items SET syncedRevision = revision WHERE id = ?", arguments: [w])
         try db.execute(sql: "UPDATE items SET mode = 33152 WHERE id = ?", arguments: [y])  // 0o100600
       }
       let findings = try runBlocking {
@@ -2027,7 +2049,9 @@ final class SyncSimulation {
       let (queued, pullAgain) = try CloudAudit.queueUploads(for: findings, index: b.index)
       #expect(queued == 2 && pullAgain)
       b.puller.pullEverythingAgain()
+      #expect(try b.index.feedReadsFromStart() == 0)
       try b.pull()
+      #expect(try b.index.feedReadsFromStart() == 1, "the read from the start reached the end of the feed")
       try b.drainUploads()
       try a.pull()
       for (device, w) in [("a", a), ("b", b)] {
