@@ -56,6 +56,41 @@ import Testing
     #expect(try Self.names(index) == [])
   }
 
+  /// The tree's rules hold in the index whatever code writes it: an item whose folder does not
+  /// exist (or is a file), a folder deleted with items in it, a folder moved below itself:
+  /// each statement fails, and the tree stays as it was.
+  @Test func theIndexRefusesAnItemNoPathReaches() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let x = try index.create(parent: docs, name: "x", kind: .directory, mode: 0o755, uid: 0, gid: 0).id!
+    let y = try index.create(parent: x, name: "y", kind: .directory, mode: 0o755, uid: 0, gid: 0).id!
+    let f = try index.create(parent: y, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0).id!
+    func refused(_ sql: String, _ arguments: StatementArguments) {
+      #expect(throws: DatabaseError.self, "\(sql) \(arguments)") {
+        try index.write { db in try db.execute(sql: sql, arguments: arguments) }
+      }
+    }
+    for parent in [Int64(999_999), f] {
+      refused(
+        "INSERT INTO items(itemID, parent, name, kind, mode, uid, gid, size, mtimeNs, ctimeNs, atimeNs, content) "
+          + "VALUES ('orphan', ?, 'o', 1, 420, 0, 0, 0, 0, 0, 0, 1)", [parent])
+      refused("UPDATE items SET parent = ? WHERE id = ?", [parent, y])
+    }
+    refused("DELETE FROM items WHERE id = ?", [x])
+    refused("UPDATE items SET parent = ? WHERE id = ?", [y, x])
+    refused("UPDATE items SET parent = ? WHERE id = ?", [x, x])
+    #expect(try index.item(y)?.parent == x)
+    #expect(try index.item(x)?.parent == docs)
+    #expect(try index.item(itemID: "orphan") == nil)
+    // What the rules allow still goes: a move up, a file's delete, then the empty folders'.
+    try index.write { db in
+      try db.execute(sql: "UPDATE items SET parent = ? WHERE id = ?", arguments: [docs, y])
+      try db.execute(sql: "DELETE FROM items WHERE id IN (?, ?)", arguments: [f, x])
+    }
+    #expect(try Self.names(index) == ["y"])
+  }
+
   @Test func aRowWrittenIsTheRowReadBack() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
