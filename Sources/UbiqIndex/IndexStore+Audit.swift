@@ -92,20 +92,33 @@ extension IndexStore {
     }
   }
 
+  /// The etag a row has while a repair of `ubiqfs check` merges it with the cloud's version
+  /// (`queueRepairUploads`): no version of the cloud has it, so the upload meets the cloud's
+  /// current version and merges with it, with no base.
+  public static let mergeWithCloudEtag = "merge-with-cloud"
+
   /// Queues the upload of each item as it is here (a repair of `ubiqfs check`): a new
   /// revision, so the uploader sends it. `asNew`: the cloud has no version of it, so the row
-  /// forgets the one it was based on and is sent as a first upload. Returns how many were
-  /// queued (items no longer here, or local-only, are skipped).
+  /// forgets the one it was based on and is sent as a first upload. `merging`: the row and the
+  /// cloud's version of it differ under one etag; it forgets its base, and its upload merges
+  /// with the cloud's version (`mergeWithCloudEtag`). Returns how many were queued (items no
+  /// longer here, the root, Documents' own etag, or local-only items are skipped).
   @discardableResult
-  public func queueRepairUploads(_ itemIDs: [String], asNew: Set<String> = []) throws -> Int {
+  public func queueRepairUploads(_ itemIDs: [String], asNew: Set<String> = [], merging: Set<String> = []) throws
+    -> Int
+  {
     try write { db in
       var queued = 0
-      for itemID in itemIDs {
+      for itemID in itemIDs where itemID != WellKnownItem.root {
         guard let id = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [itemID]),
           try !Self.isLocalOnly(db, id)
         else { continue }
-        if asNew.contains(itemID) {
+        if asNew.contains(itemID) && itemID != WellKnownItem.documents {
           try db.cached("UPDATE items SET etag = NULL, base = NULL WHERE id = ?").execute(arguments: [id])
+        } else if merging.contains(itemID) {
+          try db.cached("UPDATE items SET etag = ?, base = NULL WHERE id = ?").execute(arguments: [
+            Self.mergeWithCloudEtag, id,
+          ])
         }
         try db.cached("UPDATE items SET revision = revision + 1 WHERE id = ?").execute(arguments: [id])
         try enqueue(db, id)

@@ -103,7 +103,8 @@ public enum SyncAudit {
       switch self {
       case .changedHere, .notPulledYet, .heldBack: return nil
       case .missedChange, .missingHere: return .pullAgain
-      case .neverQueued, .differs: return .upload
+      case .neverQueued: return .upload
+      case .differs: return .merge
       case .missingInCloud: return .uploadAsNew
       }
     }
@@ -131,6 +132,10 @@ public enum SyncAudit {
     case upload
     /// Forget the cloud version the item was based on and upload it as a new item.
     case uploadAsNew
+    /// Upload it merged with the cloud's version as if both sides had changed it since an
+    /// unknown base: which side went wrong is not known, so the local place, mode and
+    /// attributes are taken and both contents are kept (the older as a conflict version).
+    case merge
   }
 
   public struct Finding: Sendable, Equatable {

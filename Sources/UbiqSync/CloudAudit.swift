@@ -30,15 +30,19 @@ public enum CloudAudit {
     }
   }
 
-  /// Queues the uploads that mend `findings` (`SyncAudit.Repair.upload`, `.uploadAsNew`), and
+  /// Queues the uploads that mend `findings` (`SyncAudit.Repair.upload`, `.uploadAsNew`,
+  /// `.merge`), and
   /// says whether the change feed must be read again from its start (`.pullAgain`), which
   /// only the mount's puller can do (`ChangePuller.pullEverythingAgain`).
   public static func queueUploads(for findings: [SyncAudit.Finding], index: IndexStore) throws -> (
     queued: Int, pullAgain: Bool
   ) {
-    let uploads = findings.filter { $0.problem.repair == .upload || $0.problem.repair == .uploadAsNew }
-    let asNew = Set(findings.filter { $0.problem.repair == .uploadAsNew }.map(\.itemID))
-    let queued = uploads.isEmpty ? 0 : try index.queueRepairUploads(uploads.map(\.itemID), asNew: asNew)
+    func items(_ repair: SyncAudit.Repair) -> [String] { findings.filter { $0.problem.repair == repair }.map(\.itemID) }
+    let uploads = items(.upload) + items(.uploadAsNew) + items(.merge)
+    let queued =
+      uploads.isEmpty
+      ? 0
+      : try index.queueRepairUploads(uploads, asNew: Set(items(.uploadAsNew)), merging: Set(items(.merge)))
     return (queued, findings.contains { $0.problem.repair == .pullAgain })
   }
 }

@@ -2016,7 +2016,7 @@ final class SyncSimulation {
   @Test func theWholeTreeCheckFindsWhatADeviceMissedAndTheRepairMendsIt() async throws {
     try await onOwnThread {
       let (a, b, cloud) = try CoreWorld.pair()
-      for name in ["x.txt", "y.txt", "z.txt"] { try a.writeFile(name, Data("\(name) one\n".utf8)) }
+      for name in ["s.txt", "x.txt", "y.txt", "z.txt"] { try a.writeFile(name, Data("\(name) one\n".utf8)) }
       try a.drainUploads()
       try b.pull()
       try a.writeFile("x.txt", Data("x.txt two\n".utf8))
@@ -2025,12 +2025,16 @@ final class SyncSimulation {
       try a.drainUploads()
       // b's token passes a's changes without applying them.
       try b.index.setChangeToken(try runBlocking { try await cloud.lastChange(b.container) })
-      // b made w.txt, whose queue entry is gone; y.txt's mode changed in the index alone.
+      // b made w.txt and wrote s.txt, and their queue entries are gone (s.txt as if the cloud
+      // had confirmed it); y.txt's mode changed in the index alone.
       try b.writeFile("w.txt", Data("made on b\n".utf8))
+      try b.writeFile("s.txt", Data("written on b\n".utf8))
       let w = try #require(try b.inode("w.txt"))
       let y = try #require(try b.inode("y.txt"))
+      let sFile = try #require(try b.inode("s.txt"))
       try b.index.pool.write { db in
-        try db.execute(sql: "DELETE FROM uploadQueue WHERE item = ?", arguments: [w])
+        try db.execute(sql: "DELETE FROM uploadQueue WHERE item IN (?, ?)", arguments: [w, sFile])
+        try db.execute(sql: "UPDATE items SET syncedRevision = revision WHERE id = ?", arguments: [sFile])
         try db.execute(sql: "UPDATE items SET mode = 33152 WHERE id = ?", arguments: [y])  // 0o100600
       }
       let findings = try runBlocking {
@@ -2039,7 +2043,8 @@ final class SyncSimulation {
       let found = Dictionary(uniqueKeysWithValues: findings.map { ($0.path, $0.problem) })
       #expect(
         found == [
-          "Documents/n.txt": .missingHere, "Documents/w.txt": .neverQueued, "Documents/x.txt": .missedChange,
+          "Documents/n.txt": .missingHere, "Documents/s.txt": .differs(["size"]), "Documents/w.txt": .neverQueued,
+          "Documents/x.txt": .missedChange,
           "Documents/y.txt": .differs(["mode"]), "Documents/z.txt": .missedChange,
         ], "\(found)")
       #expect(findings.allSatisfy { $0.problem.isFault })
@@ -2047,7 +2052,7 @@ final class SyncSimulation {
       #expect(onA.isEmpty, "\(onA)")
       // The repair: uploads queued, the feed read again from its start.
       let (queued, pullAgain) = try CloudAudit.queueUploads(for: findings, index: b.index)
-      #expect(queued == 2 && pullAgain)
+      #expect(queued == 3 && pullAgain)
       b.puller.pullEverythingAgain()
       #expect(try b.index.feedReadsFromStart() == 0)
       try b.pull()
@@ -2059,7 +2064,13 @@ final class SyncSimulation {
           try await CloudAudit.compare(index: w.index, cloud: cloud, container: w.container)
         }
         #expect(left.isEmpty, "device \(device): \(left)")
-        #expect(Set(try w.listing("")).subtracting([".", ".."]) == ["n.txt", "w.txt", "x.txt", "y.txt"])
+        #expect(Set(try w.listing("")).subtracting([".", ".."]) == ["n.txt", "s.txt", "w.txt", "x.txt", "y.txt"])
+        // Which side of s.txt went wrong is not known: both contents stay, the older as a
+        // conflict version.
+        #expect(try w.readFile("s.txt") == Data("written on b\n".utf8))
+        let sInode = try #require(try w.inode("s.txt"))
+        let sRow = try #require(try w.index.item(sInode))
+        #expect(sRow.conflictList.map(\.size) == [Int64("s.txt one\n".utf8.count)], "device \(device)")
         #expect(try w.readFile("x.txt") == Data("x.txt two\n".utf8))
         #expect(try w.readFile("w.txt") == Data("made on b\n".utf8))
         #expect(try w.readFile("n.txt") == Data("new\n".utf8))
