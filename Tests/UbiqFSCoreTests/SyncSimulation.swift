@@ -724,6 +724,27 @@ final class SyncSimulation {
     } else {
       try performByUser(s, kind, on: d)
     }
+    try checkNothingIsStuck(d)
+  }
+
+  /// After every step, the whole-tree comparison (`ubiqfs check`) of the device that acted
+  /// finds no fault: whatever differs from the cloud is in flight (changed here, not pulled
+  /// yet, held back), never something sync would not mend.
+  func checkNothingIsStuck(_ d: Int) throws {
+    let whole = try runBlocking { [shared, container = devices[d].container] in
+      try await CloudAudit.wholeTree(cloud: shared, container: container)
+    }
+    let faults = SyncAudit.compare(local: try devices[d].index.auditSnapshot(), remote: whole).filter {
+      $0.problem.isFault
+    }
+    if !faults.isEmpty {
+      throw SimulationFailure(
+        broken: [
+          "ubiqfs check on device \(d) after step \(step): "
+            + faults.map { "\($0.path) (\($0.itemID)): \($0.problem)" }.joined(separator: "; ")
+        ],
+        report: report)
+    }
   }
 
   /// A user's step on device `d`, with what it means to do (`noteIntent`).
