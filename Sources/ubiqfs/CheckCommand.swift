@@ -21,8 +21,10 @@ struct CheckCommand: ParsableCommand {
       yet, a change held back) is counted; one nothing would mend is a fault and is listed. \
       Exit status 0 when there is no fault, 1 otherwise. --repair mends faults: items missing \
       here or missed changes are pulled again (the whole change feed is read again, each record \
-      under the usual rules), items the cloud does not have or has otherwise are uploaded again, \
-      and the check runs again until no fault is left or --timeout has passed.
+      under the usual rules), items the cloud does not have are uploaded again, items it has \
+      otherwise under the same version are merged with its version (both contents are kept, \
+      the older as a conflict version), and the check runs again until no fault is left or \
+      --timeout has passed.
       """)
 
   @Argument(help: "A path inside a mount (default: every mounted container).") var path: String?
