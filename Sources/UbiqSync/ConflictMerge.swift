@@ -44,6 +44,15 @@ public enum ConflictMerge {
     return mended
   }
 
+  /// Whether a merged version is the local side as the user saw it: the same place, mode,
+  /// extended attributes, symlink target, content and conflict versions. Such a merge took
+  /// nothing from the cloud's version.
+  public static func isTheLocalSide(_ merged: CloudItem, _ local: CloudItem) -> Bool {
+    merged.parentID == local.parentID && merged.name == local.name && merged.mode == local.mode
+      && merged.xattrs == local.xattrs && merged.symlinkTarget == local.symlinkTarget && merged.chunks == local.chunks
+      && Set((merged.conflicts ?? []).map(\.versionID)) == Set((local.conflicts ?? []).map(\.versionID))
+  }
+
   /// The merged record. `newVersionID` names this device's content if it loses and is kept as
   /// a conflict version (a fresh identifier; unused otherwise). `unanswered`: where the item
   /// was, and its mode, in this device's commits of it sent since its last stored one
@@ -132,7 +141,23 @@ public enum ConflictMerge {
       }
     }
     out.conflicts = conflicts.isEmpty ? nil : conflicts
+    // Where the local side is only a name this device's sync chose and the merge differs from
+    // the cloud's version by that name alone, the merge is such a name too, settled on the
+    // cloud's version: a delete made on that version still wins over it.
+    if local.settledNameOf != nil && (out.parentID != server.parentID || out.name != server.name)
+      && isTheSameButForThePlace(out, server)
+    {
+      out.settledNameOf = server.etag
+    }
     return out
+  }
+
+  /// Whether two versions differ at most by their folder and name.
+  static func isTheSameButForThePlace(_ a: CloudItem, _ b: CloudItem) -> Bool {
+    var moved = a
+    moved.parentID = b.parentID
+    moved.name = b.name
+    return isTheLocalSide(moved, b)
   }
 
   static func take(_ local: CloudItem, into out: inout CloudItem) {

@@ -884,9 +884,11 @@ public final class UploadWorker: @unchecked Sendable {
       do {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
         if merged { try adopt(result, keepingPlace: false) }
+        // A merge that took nothing from the cloud's version (it met this device's own earlier
+        // commit, whose reply was lost) carries no change the user has not seen.
         try index.markUploaded(
-          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result, adopted: merged,
-          placeOnly: p.placeOnly)
+          seq: entry.seq, inode: inode, itemID: row.itemID, revision: row.revision, result: result,
+          adopted: merged && !ConflictMerge.isTheLocalSide(result, local), placeOnly: p.placeOnly)
         log.debug("\(p.placeOnly ? "moved" : "uploaded") \(row.name) etag \(result.etag)")
         return
       } catch CloudError.nameTaken(let why) {

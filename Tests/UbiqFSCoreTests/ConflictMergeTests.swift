@@ -83,6 +83,7 @@ import UbiqIndex
       local: settled, base: base, server: edited, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(kept.name == "f 2", "with the cloud's place unchanged, the settled name stays")
     #expect(kept.chunks == edited.chunks)
+    #expect(kept.settledNameOf == edited.etag, "the merge differs from the cloud's version by the settled name alone")
 
     // A name the user gave here is a place change: it wins as before.
     var userRenamed = settled
@@ -90,6 +91,7 @@ import UbiqIndex
     let mine = ConflictMerge.merge(
       local: userRenamed, base: base, server: renamed, deviceID: "device-a", newVersionID: Self.versionID)
     #expect(mine.name == "f 2")
+    #expect(mine.settledNameOf == nil)
   }
 
   /// A temporary name this device's own earlier commit took in the cloud while the item moved

@@ -1655,6 +1655,16 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 2's first upload of f reaches the cloud twice with its replies lost (the second,
+    // held back by the network, arrives later); its next upload meets that version of its own
+    // and merges with it, and while the merge is committed the user deletes f. The merge took
+    // nothing from the cloud that the user had not seen: the delete goes on it and f stays
+    // deleted (found by the sim soak, seed p6dvzhsJgENTmRgdeEhUuddIbRfOEa1myJnup1LuQWo=: the
+    // delete treated the merge as another device's change and f came back everywhere).
+    [
+      (2, 0, 0, 0, 0), (2, 7, 0, 0, 3232), (1, 0, 0, 0, 0), (1, 6, 0, 0, 1), (2, 19, 0, 0, 89), (1, 8, 0, 0, 2),
+      (2, 23, 0, 1, 1533),
+    ],
     // Device 1 changes f's mode; device 0 edits f and reaches the cloud first; while device 1
     // sends its chmod, its user deletes f. The chmod meets the edit and merges (device 0's
     // content, device 1's mode): the delete, made on the version the user saw, must meet that
