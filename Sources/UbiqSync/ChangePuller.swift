@@ -10,8 +10,8 @@ import UbiqIndex
 
 /// Applies the cloud's change feed to the index: at mount (before the kernel sees anything) and
 /// then every `interval`. Items with local changes, or open for writing, are left alone.
-/// Sendable: `task`, `stopped`, `waiting` and `wakeRequested` are guarded by `lock`; the callbacks are set
-/// before `start`.
+/// Sendable: `task`, `stopped`, `waiting`, `wakeRequested` and the read-from-start counters are
+/// guarded by `lock`; the callbacks are set before `start`.
 public final class ChangePuller: @unchecked Sendable {
   let index: IndexStore
   let cache: ContentCache
