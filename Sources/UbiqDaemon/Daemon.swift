@@ -79,7 +79,7 @@ public final class Daemon {
       // A server account that synced before mounts offline; queued work uploads once it is back.
       log.warning("cloud unavailable (\(why)); mounting from the local index")
     }
-    try adoptWellKnownEtags(index: index, cloud: cloud)
+    try adoptWellKnownVersions(index: index, cloud: cloud)
 
     let inodes = InodeTable()
     let worker = UploadWorker(
@@ -193,7 +193,7 @@ public final class Daemon {
   }
 
   /// The cloud creates root and Documents; a fresh index adopts their versions.
-  private func adoptWellKnownEtags(index: IndexStore, cloud: CloudService) throws {
+  private func adoptWellKnownVersions(index: IndexStore, cloud: CloudService) throws {
     let container = self.container
     for id in [WellKnownItem.root, WellKnownItem.documents] {
       guard let row = try index.item(itemID: id), row.etag == nil,

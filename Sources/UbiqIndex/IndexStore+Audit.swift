@@ -7,12 +7,6 @@ extension IndexStore {
   /// path, what is queued, held or refused, and the change token, read in one transaction.
   public func auditSnapshot() throws -> SyncAudit.LocalSnapshot {
     try pool.read { db in
-      struct Node {
-        var itemID: String
-        var parent: Int64?
-        var name: String
-        var excluded: Bool
-      }
       let token = Int64(try String.fetchOne(db, sql: "SELECT value FROM meta WHERE key = 'changeToken'") ?? "0") ?? 0
       let queued = Set(try Int64.fetchAll(db, sql: "SELECT item FROM uploadQueue WHERE item IS NOT NULL"))
       let dirty = Set(try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent"))
@@ -20,8 +14,9 @@ extension IndexStore {
         try String.fetchAll(db, sql: "SELECT deleteItemID FROM uploadQueue WHERE deleteItemID IS NOT NULL"))
       let heldBack = Set(
         try String.fetchAll(db, sql: "SELECT itemID FROM heldRemote UNION SELECT itemID FROM refusedRemote"))
-      var nodes: [Int64: Node] = [:]
       var items: [Int64: SyncAudit.LocalItem] = [:]
+      var parents: [Int64: Int64] = [:]
+      var excluded = Set<Int64>()
       let rows = try Row.fetchCursor(
         db,
         sql: """
@@ -31,10 +26,10 @@ extension IndexStore {
       while let row = try rows.next() {
         // By position, as selected.
         let id: Int64 = row[0]
-        let node = Node(itemID: row[1], parent: row[2], name: row[3], excluded: row[9])
-        nodes[id] = node
+        parents[id] = row[2]
+        if row[9] { excluded.insert(id) }
         items[id] = SyncAudit.LocalItem(
-          itemID: node.itemID, parentID: nil, name: node.name, kind: ItemKind(rawValue: row[4]) ?? .file, mode: row[5],
+          itemID: row[1], parentID: nil, name: row[3], kind: ItemKind(rawValue: row[4]) ?? .file, mode: row[5],
           size: row[6], symlinkTarget: row[7], etag: row[8],
           changedHere: queued.contains(id) || dirty.contains(id), path: "")
       }
@@ -44,16 +39,16 @@ extension IndexStore {
       func resolve(_ id: Int64) -> (path: String, localOnly: Bool) {
         var chain: [Int64] = []
         var cur: Int64? = id
-        while let c = cur, paths[c] == nil, let node = nodes[c], chain.count < 4096 {
+        while let c = cur, paths[c] == nil, items[c] != nil, chain.count < 4096 {
           chain.append(c)
-          cur = node.parent
+          cur = parents[c]
         }
         var path = cur.flatMap { paths[$0] } ?? "?"
         var only = cur.flatMap { localOnly[$0] } ?? false
         for c in chain.reversed() {
-          let node = nodes[c]!
-          path = path.isEmpty ? node.name : path + "/" + node.name
-          only = only || node.excluded || ItemName.isNoSync(node.name)
+          let name = items[c]!.name
+          path = path.isEmpty ? name : path + "/" + name
+          only = only || excluded.contains(c) || ItemName.isNoSync(name)
           paths[c] = path
           localOnly[c] = only
         }
@@ -68,7 +63,7 @@ extension IndexStore {
           continue
         }
         item.path = path
-        item.parentID = nodes[id]?.parent.flatMap { nodes[$0]?.itemID }
+        item.parentID = parents[id].flatMap { items[$0]?.itemID }
         byItemID[item.itemID] = item
       }
       return SyncAudit.LocalSnapshot(

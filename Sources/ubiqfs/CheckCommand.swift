@@ -70,9 +70,10 @@ struct CheckCommand: ParsableCommand {
       for state in states {
         let container = try ContainerID(state.container)
         let index = try state.openIndex(readOnly: !repair)
-        var findings = try runBlocking {
-          try await CloudAudit.compare(index: index, cloud: cloud, container: container)
+        func compare() throws -> [SyncAudit.Finding] {
+          try runBlocking { try await CloudAudit.compare(index: index, cloud: cloud, container: container) }
         }
+        var findings = try compare()
         var repaired = false
         if repair && findings.contains(where: \.problem.isFault) {
           let readsBefore = try index.feedReadsFromStart()
@@ -84,12 +85,10 @@ struct CheckCommand: ParsableCommand {
           while try pullAgain && index.feedReadsFromStart() <= readsBefore && Date() < deadline {
             usleep(100_000)
           }
-          findings = try runBlocking { try await CloudAudit.compare(index: index, cloud: cloud, container: container) }
+          findings = try compare()
           while findings.contains(where: \.problem.isFault) && Date() < deadline {
             usleep(250_000)
-            findings = try runBlocking {
-              try await CloudAudit.compare(index: index, cloud: cloud, container: container)
-            }
+            findings = try compare()
           }
         }
         let faults = findings.filter(\.problem.isFault)
