@@ -72,14 +72,14 @@ public final class Daemon {
     // index.sqlite and content/ become durable here, before anything relies on them.
     try Durability.fsyncDirectory(dir.path)
     let cloud = try cloudSession.makeCloud()
+    let container = self.container
     do {
-      let container = self.container
       try runBlocking { try await cloud.ensureContainer(container) }
     } catch CloudError.unavailable(let why) where ((try? index.changeToken()) ?? 0) > 0 {
       // A server account that synced before mounts offline; queued work uploads once it is back.
       log.warning("cloud unavailable (\(why)); mounting from the local index")
     }
-    try adoptWellKnownVersions(index: index, cloud: cloud)
+    try runBlocking { try await WellKnownVersions.adopt(index: index, cloud: cloud, container: container) }
 
     let inodes = InodeTable()
     let worker = UploadWorker(
@@ -190,17 +190,6 @@ public final class Daemon {
     for source in sources { source.cancel() }
     log.info("unmounted \(mountpoint)")
     return 0
-  }
-
-  /// The cloud creates root and Documents; a fresh index adopts their versions.
-  private func adoptWellKnownVersions(index: IndexStore, cloud: CloudService) throws {
-    let container = self.container
-    for id in [WellKnownItem.root, WellKnownItem.documents] {
-      guard let row = try index.item(itemID: id), row.etag == nil,
-        let remote = try runBlocking({ try await cloud.item(container, itemID: id) })
-      else { continue }
-      try index.adoptWellKnown(remote)
-    }
   }
 
   /// The mount point must be a free directory; a mount left stale by a crashed daemon is

@@ -4,6 +4,7 @@ import UbiqCloud
 import UbiqCloudAPI
 import UbiqCore
 import UbiqIndex
+import UbiqSync
 
 @testable import UbiqFSCore
 @testable import UbiqSync
@@ -89,11 +90,8 @@ final class CoreWorld: @unchecked Sendable {
       statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
-    for id in [WellKnownItem.root, WellKnownItem.documents] {
-      guard let row = try index.item(itemID: id), row.etag == nil,
-        let remote = try runBlocking({ try await self.cloud.item(self.container, itemID: id) })
-      else { continue }
-      try index.adoptWellKnown(remote)
+    try runBlocking { [cloud, container] in
+      try await WellKnownVersions.adopt(index: index, cloud: cloud, container: container)
     }
     let cache = try ContentCache(directory: state.appendingPathComponent("content").path)
     let inodes = InodeTable()
