@@ -47,6 +47,9 @@ public final class FilesystemCore: @unchecked Sendable {
   /// where nothing pulls (the action is refused).
   public var resync: (() -> Void)?
   let xattrSnapshots = XattrSnapshots()
+  /// Drops the kernel's pages of an inode after a read through a handle older than its
+  /// content (`didRead`): outside the request, one drop at a time.
+  private let pageDrops = DispatchQueue(label: "ubiqfs.page-drops")
   /// Items whose cache files wait for `removeForgottenContent`.
   private var forgotten: [Int64] = []
   private let forgottenLock = NSLock()
@@ -549,10 +552,16 @@ public final class FilesystemCore: @unchecked Sendable {
     return row.kind == .file && row.content != .cached
   }
 
-  /// A read through `handle` was answered (see `InodeTable.noteRead`).
+  /// A read through `handle` was answered. If the handle is older than the inode's content, the
+  /// answer may have put old bytes in the kernel's page cache, which every open shares: they are
+  /// dropped (see `InodeTable.noteRead`).
   public func didRead(_ handle: UInt64) {
-    guard let f = handles.get(handle) else { return }
-    inodes.noteRead(f.inode, openedIn: f.epoch)
+    guard let f = handles.get(handle), inodes.noteRead(f.inode, openedIn: f.epoch) else { return }
+    let inode = f.inode
+    pageDrops.async { [self] in
+      inodes.pageDropStarting(inode)
+      invalidate(inode, [])
+    }
   }
 
   /// Reads bytes through a handle (tests and tools; the FUSE adapter splices from the descriptor).

@@ -29,8 +29,8 @@ struct InodeState {
   /// mkdir, a readdirplus entry) adds one, `forget` takes them back.
   var lookups: UInt64 = 0
   /// Open handles: their cache file descriptors (nil until a handle that created the file
-  /// opens its cache file) and whether they may write.
-  var handles: [UInt64: (fd: Int32?, writable: Bool)] = [:]
+  /// opens its cache file), whether they may write, and the content epoch they were opened in.
+  var handles: [UInt64: (fd: Int32?, writable: Bool, epoch: UInt64)] = [:]
   /// Open handles that may write.
   var writers = 0
   /// Open handles with writes not yet recorded in the index (flush, fsync, close).
@@ -49,9 +49,11 @@ struct InodeState {
   /// Counts replacements of the content that did not pass through the kernel (a remote
   /// version); a handle remembers the epoch it was opened in.
   var contentEpoch: UInt64 = 0
-  /// Until this monotonic time, opens make the kernel drop its cached pages (see
+  /// The kernel's pages may hold bytes of a replaced version: opens make it drop them (see
   /// `InodeTable.contentReplaced`).
-  var dropPagesUntil: UInt64?
+  var pagesMayBeStale = false
+  /// A drop of the kernel's pages was asked for and has not started yet (`noteRead`).
+  var pageDropQueued = false
 
   /// Nothing refers to the inode any more: the kernel forgot it (and with it its pages), no
   /// handle is open and no snapshot runs. Its state can go; a later use starts afresh.
@@ -61,7 +63,8 @@ struct InodeState {
   /// count alone (what almost every inode the kernel knows has, after a `find` of a big tree).
   var isLookupsOnly: Bool {
     handles.isEmpty && writers == 0 && dirtyHandles == 0 && generation == 0 && snapshots == 0
-      && pendingMtimeNs == nil && unlinked == nil && contentEpoch == 0 && dropPagesUntil == nil
+      && pendingMtimeNs == nil && unlinked == nil && contentEpoch == 0 && !pagesMayBeStale
+      && !pageDropQueued
   }
 }
 
@@ -87,9 +90,6 @@ public final class InodeTable: @unchecked Sendable {
   private var lookupsOnly: [Int64: UInt64] = [:]
   private let lock = NSLock()
   private let stripes = (0..<64).map { _ in NSLock() }
-  /// How long opens drop the kernel's pages after a remote replacement.
-  private let quietNs: UInt64 = 3_000_000_000
-
   public init() {}
 
   /// Runs `body` under the inode's lock: content transitions of one inode never interleave.
@@ -144,7 +144,7 @@ public final class InodeTable: @unchecked Sendable {
   /// A handle was opened; returns the content epoch it is opened in.
   public func opened(_ inode: Int64, handle: UInt64, fd: Int32?, writable: Bool) -> UInt64 {
     update(inode) {
-      $0.handles[handle] = (fd, writable)
+      $0.handles[handle] = (fd, writable, $0.contentEpoch)
       if writable { $0.writers += 1 }
       return $0.contentEpoch
     }
@@ -287,39 +287,47 @@ public final class InodeTable: @unchecked Sendable {
   ///
   /// Invalidating the kernel's pages when the change is applied is not enough: a handle opened
   /// before the change still reads the old cache file by descriptor (POSIX: it keeps the bytes
-  /// it opened), and such a read fills the shared page cache with old bytes again. So a handle
-  /// remembers the epoch it was opened in; a read through an older handle marks the inode, and
-  /// opens of it ask the kernel to drop its pages (`keep_cache` off) for a few seconds, not just
-  /// the next one, because the order in which the kernel, old handles and new opens act around
-  /// a replacement is not fully under our control. After that quiet period pages are kept again.
-  /// A state the kernel forgot has no pages to drop, so it may go.
+  /// it opened), and each of its reads fills the shared page cache with old bytes again, for
+  /// as long as it reads. So a handle remembers the epoch it was opened in. A read through an
+  /// older handle asks for the kernel's pages to be dropped once it is answered (`noteRead`),
+  /// and opens ask the kernel to drop them (`keep_cache` off) until one comes after the last
+  /// older handle is closed (`mayKeepPages`): however long after its last read that is, the
+  /// open finds no old page. A state the kernel forgot has no pages to drop, so it may go.
   public func contentReplaced(_ inode: Int64) {
-    let until = Self.now() + quietNs
     update(inode) {
       $0.contentEpoch &+= 1
-      if $0.lookups > 0 || !$0.handles.isEmpty { $0.dropPagesUntil = until }
+      if $0.lookups > 0 || !$0.handles.isEmpty { $0.pagesMayBeStale = true }
     }
   }
 
-  /// A read through a handle opened in `epoch`: if that is old, its bytes may now be in the
-  /// page cache.
-  public func noteRead(_ inode: Int64, openedIn epoch: UInt64) {
-    let until = Self.now() + quietNs
-    update(inode) { if $0.contentEpoch != epoch { $0.dropPagesUntil = until } }
-  }
-
-  /// At open: true if the kernel may keep the pages it has of `inode`.
-  public func mayKeepPages(_ inode: Int64) -> Bool {
-    let now = Self.now()
-    return update(inode) {
-      guard let until = $0.dropPagesUntil else { return true }
-      if now < until { return false }
-      $0.dropPagesUntil = nil
+  /// A read through a handle opened in `epoch` was answered. True if that is an older epoch
+  /// (the answer may have put old bytes in the page cache) and no drop of the kernel's pages is
+  /// queued yet: the caller drops them, outside the request, and calls `pageDropStarting` first.
+  @discardableResult
+  public func noteRead(_ inode: Int64, openedIn epoch: UInt64) -> Bool {
+    update(inode) {
+      guard $0.contentEpoch != epoch else { return false }
+      $0.pagesMayBeStale = true
+      if $0.pageDropQueued { return false }
+      $0.pageDropQueued = true
       return true
     }
   }
 
-  private static func now() -> UInt64 { DispatchTime.now().uptimeNanoseconds }
+  /// A drop asked for by `noteRead` starts: a read answered from now on asks again.
+  public func pageDropStarting(_ inode: Int64) { update(inode) { $0.pageDropQueued = false } }
+
+  /// At open: true if the kernel may keep the pages it has of `inode`. While they may hold old
+  /// bytes, every open drops them; the first open after the last older handle is closed is the
+  /// last one that must.
+  public func mayKeepPages(_ inode: Int64) -> Bool {
+    update(inode) {
+      guard $0.pagesMayBeStale else { return true }
+      let epoch = $0.contentEpoch
+      if !$0.handles.values.contains(where: { $0.epoch != epoch }) { $0.pagesMayBeStale = false }
+      return false
+    }
+  }
 
   /// How many inodes have state (for tests and status).
   public var count: Int { lock.withLock { states.count + lookupsOnly.count } }

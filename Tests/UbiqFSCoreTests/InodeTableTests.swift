@@ -140,6 +140,32 @@ import UbiqSync
     #expect(inodes.count == 0)
   }
 
+  @Test func oldPagesAreDroppedUntilAnOpenAfterTheLastOldHandleHowEverLongThatTakes() {
+    let inodes = InodeTable()
+    inodes.noteLookup(4)
+    let old = inodes.opened(4, handle: 1, fd: -1, writable: false)
+    inodes.contentReplaced(4)
+    #expect(inodes.noteRead(4, openedIn: old), "a read through the old handle asks for the pages to be dropped")
+    #expect(!inodes.noteRead(4, openedIn: old), "once, until that drop starts")
+    inodes.pageDropStarting(4)
+    #expect(inodes.noteRead(4, openedIn: old), "a read after the drop started asks again")
+    inodes.pageDropStarting(4)
+    let new = inodes.opened(4, handle: 2, fd: -1, writable: false)
+    #expect(!inodes.mayKeepPages(4))
+    #expect(!inodes.noteRead(4, openedIn: new), "a read of the current version puts no old bytes in the cache")
+    #expect(!inodes.mayKeepPages(4), "every open drops the pages while the old handle may read")
+    #expect(inodes.noteRead(4, openedIn: old))
+    _ = inodes.closed(4, handle: 1, writable: false, wasDirty: false)
+    _ = inodes.closed(4, handle: 2, writable: false, wasDirty: false)
+    // No time passes in this test: what ends the dropping is an open after the old handle is
+    // closed, not a quiet period.
+    #expect(!inodes.mayKeepPages(4), "the first open after the old handle's last read drops the pages")
+    #expect(inodes.mayKeepPages(4), "later opens keep them")
+    inodes.pageDropStarting(4)
+    #expect(inodes.forget(4, count: 1) == 0)
+    #expect(inodes.count == 0)
+  }
+
   /// A file deleted while the kernel still holds entries of it: its record goes with the item,
   /// but the kernel's entries are still counted, so its later forgets are expected ones (found
   /// on real mounts: "forgot 1 more entries" after every `rm` of a listed file).

@@ -53,6 +53,43 @@ def test_busy_reader_on_second_device_ends_on_the_newest_content(ubiq, device2):
         wait_for(lambda: b.read_text() == "two\n", timeout=15, interval=0.002, what=f"poll{i}.txt = two on device 2")
 
 
+def test_a_slow_reader_of_a_replaced_file_leaves_no_old_pages_behind(ubiq, device2):
+    """A handle opened before another device replaced the file keeps reading the old bytes
+    (POSIX: it has the version it opened), and its reads go through the kernel's page cache,
+    which every later open shares. However long after that reader has finished, an open of the
+    file must read the new version, not a mix of old and new pages; and an edit made from
+    what it reads must not send that mix to the cloud."""
+    old, new = os.urandom(4 * 1024 * 1024), os.urandom(4 * 1024 * 1024)
+    a, b = ubiq.docs / "replaced.bin", device2.docs / "replaced.bin"
+    a.write_bytes(old)
+    ubiq.sync()
+    wait_for(lambda: b.exists() and b.stat().st_size == len(old), timeout=30, what="replaced.bin on device 2")
+    device2.run("download", b)
+    with open(b, "rb") as reader:
+        assert reader.read(256 * 1024) == old[: 256 * 1024]
+        a.write_bytes(new)
+        ubiq.sync()
+        etag = Ubiq.xattr(a, "user.ubiq.etag")
+        wait_for(lambda: Ubiq.xattr(b, "user.ubiq.etag") == etag, timeout=30, what="the new version on device 2")
+        # The old handle reads on, slowly: each of its reads may put old pages into the cache.
+        rest = b""
+        while chunk := reader.read(256 * 1024):
+            rest += chunk
+            time.sleep(0.05)
+        assert rest == old[256 * 1024:], "a handle keeps the version it opened"
+    time.sleep(4)  # well after the reader's last read
+    assert sha256_file(b) == sha256(new), "an open after the old reader is done reads the new version"
+    expected = bytearray(new)
+    expected[0] ^= 0xFF
+    with open(b, "r+b") as edit:
+        data = bytearray(edit.read())
+        data[0] ^= 0xFF
+        edit.seek(0)
+        edit.write(data)
+    device2.sync()
+    wait_for(lambda: sha256_file(a) == sha256(expected), timeout=30, what="device 2's edit on device 1")
+
+
 def test_garbage_collection_frees_replaced_and_deleted_content_and_keeps_what_is_current(ubiq, device2):
     doc, gone = ubiq.docs / "doc.bin", ubiq.docs / "gone.bin"
     old, new, removed = os.urandom(300_000), os.urandom(300_000), os.urandom(200_000)
