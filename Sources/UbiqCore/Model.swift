@@ -53,12 +53,21 @@ public enum ItemName {
   /// Items whose name ends in `.nosync` stay on this device.
   public static func isNoSync(_ name: String) -> Bool { name.hasSuffix(".nosync") }
 
-  /// "name 2.ext", "name 3.ext", ... for de-duplicating names.
+  /// "name 2.ext", "name 3.ext", ... for de-duplicating names, within the 255-byte limit: a
+  /// name too long for its number gives up whole characters at the end of its stem (of the
+  /// name, when the extension alone leaves no room). Every device computes the same name.
   public static func numbered(_ name: String, _ n: Int) -> String {
-    if let dot = name.lastIndex(of: "."), dot != name.startIndex {
-      return "\(name[..<dot]) \(n)\(name[dot...])"
+    let number = " \(n)"
+    var stem = Substring(name)
+    var ext = Substring("")
+    if let dot = name.lastIndex(of: "."), dot != name.startIndex,
+      name[dot...].utf8.count + number.utf8.count < maxBytes
+    {
+      stem = name[..<dot]
+      ext = name[dot...]
     }
-    return "\(name) \(n)"
+    while !stem.isEmpty && stem.utf8.count + number.utf8.count + ext.utf8.count > maxBytes { stem.removeLast() }
+    return "\(stem)\(number)\(ext)"
   }
 
   /// The temporary name an item takes in the cloud while the name it moves to is still held

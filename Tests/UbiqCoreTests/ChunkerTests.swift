@@ -117,6 +117,22 @@ final class ChunkerTests: XCTestCase {
     XCTAssertNoThrow(try ItemName.validate(String(repeating: "x", count: 255)))
     XCTAssertEqual(ItemName.numbered("notes.txt", 2), "notes 2.txt")
     XCTAssertEqual(ItemName.numbered("README", 3), "README 3")
+    // A name at the limit gives up characters of its stem (whole characters) for its number.
+    let longest = String(repeating: "x", count: 251) + ".txt"
+    XCTAssertEqual(ItemName.numbered(longest, 2), String(repeating: "x", count: 249) + " 2.txt")
+    for name in [
+      longest, String(repeating: "é", count: 125) + "a.txt", String(repeating: "e\u{301}", count: 85),
+      "a." + String(repeating: "e", count: 253), String(repeating: "😀", count: 63) + "abc", "x",
+    ] {
+      XCTAssertLessThanOrEqual(name.utf8.count, 255)
+      for n in [2, 10, 999_999] {
+        let numbered = ItemName.numbered(name, n)
+        XCTAssertLessThanOrEqual(numbered.utf8.count, 255, numbered)
+        XCTAssertNoThrow(try ItemName.validateInCloud(numbered), numbered)
+        XCTAssertTrue(numbered.contains(" \(n)"), numbered)
+        XCTAssertNotEqual(numbered, name)
+      }
+    }
     XCTAssertThrowsError(try ContainerID("bad/id"))
     XCTAssertNoThrow(try ContainerID("iCloud.com.example.notes"))
     // A cloud item's name: valid, and not a name that stays on its device.

@@ -136,6 +136,29 @@ def test_same_new_name_on_both_devices(pair):
     assert {read(a.docs / "report.txt"), read(a.docs / "report 2.txt")} == {b"from A\n", b"from B\n"}
 
 
+@pytest.mark.parametrize("stem", ["x" * 251, "é" * 125 + "a"], ids=["ascii", "two-byte"])
+def test_same_new_name_of_the_longest_length_on_both_devices(pair, stem):
+    """Both devices create one name of 255 bytes: the later one's name loses characters of its
+    stem to take its number (as ext4 would refuse a longer name, so does the cloud), is uploaded,
+    and both devices end with both files under the same names."""
+    a, b = pair
+    name = stem + ".txt"
+    assert len(name.encode()) == 255
+    (a.docs / name).write_text("from A\n")
+    (b.docs / name).write_text("from B\n")
+    settle(a, b, rounds=3)
+    for u in (a, b):
+        wait_for(lambda: len(os.listdir(u.docs)) == 2, timeout=20, what=f"two names on {u.root.name}")
+        assert u.status()[0]["queue"]["failing"] == [], u.run("status").stdout
+    names = sorted(os.listdir(a.docs))
+    assert names == sorted(os.listdir(b.docs))
+    assert all(len(n.encode()) <= 255 for n in names), names
+    other = next(n for n in names if n != name)
+    assert other.endswith(" 2.txt") and name.startswith(other[: -len(" 2.txt")]), other
+    assert {read(a.docs / n) for n in names} == {b"from A\n", b"from B\n"}
+    assert all(read(a.docs / n) == read(b.docs / n) for n in names)
+
+
 def test_rename_and_edit_both_survive(pair):
     a, b = pair
     (a.docs / "draft.txt").write_text("one\n")
