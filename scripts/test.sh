@@ -128,6 +128,9 @@ python3 scripts/check-skips.py Tests/allowed-skips.txt "${suites[@]}" || failed+
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}" >&2
+  echo "logs, reports and the tests' temporary folders are kept in $reports" >&2
   exit 1
 fi
-echo "all tests passed"
+# The tests' temporary folders (mounts' state and clouds, gigabytes) go; logs and reports stay.
+rm -rf "$reports"/tmp-*
+echo "all tests passed (logs and reports: $reports)"
