@@ -127,6 +127,16 @@ public enum MountTable {
     return out
   }
 
+  /// The type of the file system that holds `path` (an absolute path with no symlinks): that
+  /// of the deepest mount point above it, the latest mounted there.
+  public static func fileSystemType(holding path: String) -> String? {
+    var best: Entry?
+    for e in entries() where path == e.mountpoint || path.hasPrefix(e.mountpoint == "/" ? "/" : e.mountpoint + "/") {
+      if e.mountpoint.count >= (best?.mountpoint.count ?? 0) { best = e }
+    }
+    return best?.fstype
+  }
+
   public static func isUbiqMount(_ path: String) -> Bool {
     entries().contains { $0.mountpoint == path && $0.fstype == "fuse.ubiqfs" }
   }

@@ -37,11 +37,13 @@ enum ContentAction: String, CaseIterable, Sendable {
     if failures > 0 { throw ExitCode.failure }
   }
 
-  /// Every path and everything below the directories among them, symlinks left out.
+  /// Every path and everything below the directories among them, symlinks left out. Every
+  /// path is checked to be in a ubiqfs mount before anything is walked.
   static func walk(_ paths: [String]) throws -> [(path: String, isDirectory: Bool, size: Int64)] {
+    let roots = paths.map(absolutePath)
+    for abs in roots { try requireMounted(abs) }
     var out: [(String, Bool, Int64)] = []
-    for p in paths {
-      let abs = absolutePath(p)
+    for abs in roots {
       var st = stat()
       guard lstat(abs, &st) == 0 else { throw UbiqError.notFound(abs) }
       var targets = [abs]
@@ -55,6 +57,23 @@ enum ContentAction: String, CaseIterable, Sendable {
       }
     }
     return out
+  }
+
+  /// Throws unless `path` is an item of a ubiqfs mount: held by a `fuse.ubiqfs` file system
+  /// (its symlinks resolved), and answering `user.ubiq.container`. A folder elsewhere would take
+  /// the control attributes as ordinary user attributes, on everything below it.
+  static func requireMounted(_ path: String) throws {
+    var st = stat()
+    guard lstat(path, &st) == 0 else { throw UbiqError.notFound(path) }
+    let resolved = realpath(path, nil).map { p in
+      defer { free(p) }
+      return String(cString: p)
+    }
+    guard let resolved, MountTable.fileSystemType(holding: resolved) == "fuse.ubiqfs",
+      get(path, "user.ubiq.container") != nil
+    else {
+      throw UbiqError.invalidArgument("\(path) is not inside a ubiqfs mount (see 'ubiqfs status' for mounts)")
+    }
   }
 
   /// Sets one control xattr; returns the error text when the item refused. A path outside a

@@ -234,6 +234,25 @@ def test_status_and_sync_outside_a_mount(ubiq, tmp_path):
     ubiq.mount()
 
 
+@pytest.mark.parametrize("command", ["download", "evict", "pin", "unpin"])
+def test_content_commands_outside_a_mount_touch_nothing(ubiq, tmp_path, command):
+    """A content command given a folder that is not in a mount (here, on the tests' own disk)
+    refuses with one line, and leaves no `user.ubiq.*` attribute on anything below it."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "f").write_text("x\n")
+    for target in (tmp_path, tmp_path / "sub" / "f"):
+        cp = ubiq.run(command, target, check=False)
+        assert_one_line_error(cp)
+        assert "not inside a ubiqfs mount" in cp.stderr, cp.stderr
+    for path in (tmp_path, tmp_path / "sub", tmp_path / "sub" / "f"):
+        assert [a for a in os.listxattr(path) if a.startswith("user.ubiq")] == [], path
+    # A path in the mount next to one outside it: nothing is done, outside or in.
+    (ubiq.docs / "in.txt").write_text("in\n")
+    ubiq.sync()
+    assert_one_line_error(ubiq.run(command, ubiq.docs / "in.txt", tmp_path / "sub", check=False))
+    assert [a for a in os.listxattr(tmp_path / "sub") if a.startswith("user.ubiq")] == []
+
+
 def test_usage_errors_exit_non_zero(ubiq, tmp_path):
     for args in (["mount"], ["mount", "a.b", "c", "d"], ["bogus"], ["mount", "--upload-delay-ms=-5", tmp_path]):
         cp = ubiq.run(*args, check=False)
