@@ -158,10 +158,14 @@ public final class Daemon {
     }
     progressTimer.resume()
     defer { progressTimer.cancel() }
-    // The cache budget is checked every few seconds.
+    // Every few seconds: the cache budget is checked, and writes that a handle could not
+    // record when it was closed (a full disk) are recorded.
     let budgetTimer = DispatchSource.makeTimerSource(queue: .global(qos: .utility))
     budgetTimer.schedule(deadline: .now() + 1, repeating: 2.0)
-    budgetTimer.setEventHandler { fs.enforceCacheBudget() }
+    budgetTimer.setEventHandler {
+      fs.recordWritesOfClosedHandles()
+      fs.enforceCacheBudget()
+    }
     budgetTimer.resume()
     defer { budgetTimer.cancel() }
     // Key-value store: keep the container's kv mirror synced while mounted.

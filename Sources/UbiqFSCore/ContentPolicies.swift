@@ -95,6 +95,16 @@ extension FilesystemCore {
   @discardableResult
   public func recoverUnrecordedWrites() throws -> Int { try content.recoverAfterUncleanStop() }
 
+  /// Records and queues the writes of handles closed while the index could not be written
+  /// (`FileContent.recordWritesOfClosedHandles`); the daemon calls it every few seconds.
+  public func recordWritesOfClosedHandles() {
+    do {
+      if try content.recordWritesOfClosedHandles() > 0 { onQueued() }
+    } catch {
+      log.warning("writes of closed handles could not be recorded yet: \(error)")
+    }
+  }
+
   /// Starts the downloads of pinned files whose content is not here
   /// (`FileContent.fetchPinnedFiles`). Runs when the mount starts, after the first pull.
   public func fetchPinnedFiles() {

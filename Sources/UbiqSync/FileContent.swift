@@ -141,6 +141,36 @@ public struct FileContent: Sendable {
     inodes.noteFlushed(inode)
   }
 
+  /// dirty → dirty (queued) for writes no handle will record: handles that were closed while
+  /// the index could not be written (a full disk) left their bytes in the cache file and the
+  /// durable dirty mark. Each such file that no handle has open for writing (a writer records
+  /// at its own flush or close) is recorded as `recoverAfterUncleanStop` does at a mount; the
+  /// daemon calls this every few seconds. Returns how many were recorded; an index that still
+  /// cannot be written throws, and the next call tries again.
+  public func recordWritesOfClosedHandles() throws -> Int {
+    var recorded = 0
+    for inode in try index.dirtyContentItems() {
+      let done = try inodes.withInodeLock(inode) { () throws -> Bool in
+        guard !inodes.isBusy(inode), let row = try index.item(inode), row.kind == .file, row.content == .cached
+        else { return false }
+        let fd = Glibc.open(cache.path(inode), O_RDONLY | O_CLOEXEC)
+        guard fd >= 0 else { return false }
+        defer { close(fd) }
+        var st = Glibc.stat()
+        guard fstat(fd, &st) == 0 else { return false }
+        // The last write's time, unless an explicit time was set after it.
+        let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? self.index.clock.nowNs()
+        try index.recordContentChange(
+          inode, size: Int64(st.st_size), mtimeNs: row.ctimeNs >= written ? nil : written, clean: true)
+        inodes.noteFlushed(inode)
+        log.info("\(row.name): recorded \(st.st_size) bytes a closed handle could not record; queued for upload")
+        return true
+      }
+      if done { recorded += 1 }
+    }
+    return recorded
+  }
+
   /// Any state → dirty: the content becomes its first `size` bytes (truncate, O_TRUNC), outside
   /// any handle's writes. Under the inode lock. The dirty mark goes first, so a crash between
   /// the truncation and its record is repaired at the next mount; a download of the previous

@@ -259,6 +259,34 @@ def test_a_full_state_disk_pauses_uploads_instead_of_repeating_them(ubiq):
         assert ubiq.status()[0]["queue"]["pendingItems"] == 0
 
 
+def test_writes_whose_close_failed_on_a_full_disk_are_uploaded_once_there_is_room(ubiq):
+    """A handle's writes reach the cache file, but its close cannot record them: the state
+    folder's disk is full (close fails with ENOSPC, as ext4's may). The bytes stay, marked dirty;
+    once there is room again, the mount records and uploads them by itself, without waiting for
+    another open of the file or the next mount."""
+    with state_on_small_disk(ubiq) as cdir:
+        f = ubiq.docs / "a.bin"
+        write_file(f, "a" * 100_000)
+        ubiq.sync()
+        fd = os.open(f, os.O_RDWR)
+        os.write(fd, b"B" * 1000)
+        fill(cdir / "filler")
+        try:
+            os.close(fd)
+            print("close on a full state disk succeeded")
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            print("close on a full state disk -> ENOSPC")
+        os.unlink(cdir / "filler")
+        expected = b"B" * 1000 + b"a" * 99_000
+        assert f.read_bytes() == expected
+        wait_for(lambda: ubiq.cloud_content(ubiq.item_id(f)) == expected, timeout=30,
+                 what="the bytes written before the failed close in the cloud")
+        ubiq.sync(timeout=60)
+        assert ubiq.status()[0]["queue"]["pendingItems"] == 0
+        assert Ubiq.xattr(f, "user.ubiq.uploaded") == "1"
+
+
 def test_a_full_state_disk_gives_enospc_and_keeps_every_name(ubiq):
     """With the state folder's disk full, operations that need room fail with ENOSPC (as on a
     full ext4), the daemon stays up, nothing existing disappears, and everything works again
