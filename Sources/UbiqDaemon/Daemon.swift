@@ -116,15 +116,28 @@ public final class Daemon {
       worker.kick()
       downloader.retryFailedBackgroundFetches()
     }
-    let session = FuseSession(core: fs, mountpoint: mountpoint, logger: log)
-    try session.mount(fsname: "ubiqfs:\(container.rawValue)")
-    worker.start()
-    puller.start(retryNs: UInt64(pullIntervalMs) * 1_000_000)
-
+    // The daemon's record goes first: a state folder that cannot take it (a full disk) fails
+    // the mount before the kernel shows it, instead of a mount whose daemon then ends.
     let record = DaemonRecord(
       pid: getpid(), mountpoint: mountpoint, container: container.rawValue, account: account, startedAt: Date())
     let recordURL = dir.appendingPathComponent("daemon.json")
-    try JSONEncoder().encode(record).write(to: recordURL, options: .atomic)
+    do {
+      try JSONEncoder().encode(record).write(to: recordURL, options: .atomic)
+    } catch {
+      let cocoa = error as? CocoaError
+      let code =
+        cocoa?.code == .fileWriteOutOfSpace ? ENOSPC : (cocoa?.underlying as? POSIXError)?.code.rawValue ?? EIO
+      throw UbiqError.posix(code, "cannot write \(recordURL.path)")
+    }
+    let session = FuseSession(core: fs, mountpoint: mountpoint, logger: log)
+    do {
+      try session.mount(fsname: "ubiqfs:\(container.rawValue)")
+    } catch {
+      try? FileManager.default.removeItem(at: recordURL)
+      throw error
+    }
+    worker.start()
+    puller.start(retryNs: UInt64(pullIntervalMs) * 1_000_000)
 
     // SIGTERM / SIGINT / SIGHUP: unmount cleanly; the loop then ends.
     var sources: [DispatchSourceSignal] = []

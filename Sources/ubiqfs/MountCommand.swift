@@ -132,9 +132,12 @@ struct MountCommand: ParsableCommand {
       if waitpid(pid, &status, WNOHANG) == pid {
         let text = (try? String(contentsOfFile: logPath, encoding: .utf8)) ?? ""
         let tail = String(text.utf8.dropFirst(startOffset)) ?? ""
-        let lastError = tail.split(separator: "\n").last(where: { $0.hasPrefix("ubiqfs:") }).map(String.init)
-        throw UbiqError.io(
-          (lastError.map { String($0.dropFirst("ubiqfs: ".count)) } ?? "the daemon exited") + " (log: \(logPath))")
+        // The daemon's own one-line error, as it said it; else only that it ended.
+        guard let lastError = tail.split(separator: "\n").last(where: { $0.hasPrefix("ubiqfs:") }) else {
+          throw UbiqError.io("the daemon exited (log: \(logPath))")
+        }
+        eprint("\(lastError) (log: \(logPath))")
+        throw ExitCode.failure
       }
       usleep(20_000)
     }

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import time
 
-from conftest import Ubiq
+from conftest import Ubiq, daemons_for_state, ubiq_mounts
 from helpers import sha256, sha256_file, write_file
 from test_devices_and_content import wait_for
 
@@ -285,6 +285,33 @@ def test_writes_whose_close_failed_on_a_full_disk_are_uploaded_once_there_is_roo
         ubiq.sync(timeout=60)
         assert ubiq.status()[0]["queue"]["pendingItems"] == 0
         assert Ubiq.xattr(f, "user.ubiq.uploaded") == "1"
+
+
+def test_a_mount_on_a_full_state_disk_fails_with_one_line_and_leaves_no_mount(ubiq):
+    """Mounting while the state folder's disk is full: either the mount works, or it fails with
+    one line and a non-zero exit, leaving no mount (live or stale) behind. It never says
+    "mounted" and then dies. Once there is room, it mounts and nothing was lost."""
+    write_file(ubiq.docs / "kept.txt", "kept\n")
+    ubiq.sync()
+    with state_on_small_disk(ubiq) as cdir:
+        ubiq.unmount()
+        fill(cdir / "filler")
+        cp = ubiq.run("mount", ubiq.container, ubiq.mnt, check=False)
+        print(f"mount on a full state disk: exit {cp.returncode}: {cp.stdout.strip()} {cp.stderr.strip()}")
+        time.sleep(2)
+        if cp.returncode == 0:
+            assert str(ubiq.mnt) in ubiq_mounts(), "mount said it mounted, but nothing is mounted"
+            assert (ubiq.docs / "kept.txt").read_text() == "kept\n", "the mount must work"
+            ubiq.unmount()
+        else:
+            err = cp.stderr.strip()
+            assert err.startswith("ubiqfs:") and "\n" not in err, cp.stderr
+            assert "mounted" not in cp.stdout, cp.stdout
+            assert str(ubiq.mnt) not in ubiq_mounts(), "a failed mount left a mount behind"
+            assert not daemons_for_state(ubiq.state), "a failed mount left its daemon running"
+        os.unlink(cdir / "filler")
+        ubiq.mount()
+        assert (ubiq.docs / "kept.txt").read_text() == "kept\n"
 
 
 def test_a_full_state_disk_gives_enospc_and_keeps_every_name(ubiq):
