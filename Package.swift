@@ -87,6 +87,7 @@ let package = Package(
         .product(name: "Prometheus", package: "swift-prometheus"),
         .product(name: "Logging", package: "swift-log"),
         .product(name: "NIOFoundationCompat", package: "swift-nio"),
+        .product(name: "NIOHTTP1", package: "swift-nio"),
       ]),
     // The key-value store's client: local mirror (kv.sqlite) and its sync.
     .target(

@@ -1,6 +1,7 @@
 import Foundation
 import Hummingbird
 import NIOCore
+import NIOHTTP1
 import UbiqCloud
 import UbiqCloudAPI
 import UbiqCore
@@ -80,6 +81,8 @@ public struct APIError: Error, Sendable {
       default: return nil
       }
     case is NIOTooManyBytesError: return APIError(.contentTooLarge, "too_large", "request body too large")
+    // A body the HTTP parser refused part way (a chunk size that is not hexadecimal, say).
+    case let e as HTTPParserError: return .badRequest("bad_request", "malformed HTTP request: \(e)")
     case let e as HTTPError:
       let code: String
       switch e.status {

@@ -162,6 +162,26 @@ def test_bad_parent_ids_are_refused(api):
     error(put(api, folder("p1", "p1", parent="../documents")), 400, "invalid_id")
 
 
+@pytest.mark.parametrize("route", [f"{CQ}/items/x1", f"{CQ}/kv/k", "/v1/chunks/" + "a" * 64])
+def test_a_malformed_chunked_body_gets_a_json_400(api, route):
+    """A body sent with `Transfer-Encoding: chunked` whose chunk size is not hexadecimal is
+    malformed HTTP: a JSON 400, never a 500 (which says the server has a bug)."""
+    api.ensure_container(C)
+    conn = api.connection(timeout=10)
+    conn.putrequest("PUT", route)
+    conn.putheader("Authorization", f"Bearer {api.token}")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Transfer-Encoding", "chunked")
+    conn.endheaders()
+    conn.send(b"ZZZ\r\n{}\r\n0\r\n\r\n")
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    assert resp.status == 400, (resp.status, body)
+    assert json.loads(body)["code"] == "bad_request", body
+    assert api.get(f"{CQ}/items/documents").status == 200, "the server keeps serving"
+
+
 def test_malformed_bearer_tokens_get_401(server):
     anon = Api(server.url)
     for header in ["Bearer", "Bearer ", "Bearer  x", "bearer x y", "Bearer ubq_zz", "Bearer " + "a" * 5000, "Token abc",
