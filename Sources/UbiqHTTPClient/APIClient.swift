@@ -70,7 +70,7 @@ public struct APIClient: Sendable {
       if let c = clients[caCertificatePEM ?? ""] { return c }
       var config = HTTPClient.Configuration(
         tlsConfiguration: tls, timeout: .init(connect: .seconds(2), read: .seconds(90)),
-        connectionPool: .init(idleTimeout: .seconds(60), concurrentHTTP1ConnectionsPerHostSoftLimit: 16))
+        connectionPool: .init(idleTimeout: .seconds(20), concurrentHTTP1ConnectionsPerHostSoftLimit: 16))
       config.httpVersion = .http1Only
       config.decompression = .disabled
       let c = HTTPClient(eventLoopGroupProvider: .singleton, configuration: config)

@@ -16,6 +16,10 @@ public struct ServerLimits: Sendable {
   public var pollIntervalMs = 200
   /// Long-polls one token may have waiting at once; one more gets 429 `too_many_requests`.
   public var maxLongPollsPerToken = 8
+  /// Seconds a connection may send nothing (no request, or a request part way) before it is
+  /// closed. A request being answered (a long-poll) is not idle. Longer than the client's idle
+  /// pool time (20 s), so a client never sends on a connection the server is closing.
+  public var idleTimeoutSeconds: Int64 = 30
   /// What one account may hold (containers, items) and the size of a change page.
   public var cloud = CloudLimits()
   public init() {}

@@ -60,8 +60,10 @@ public struct TLSFiles: Sendable {
 public enum UbiqServer {
   public static func run(_ options: ServeOptions, logger: Logger) async throws {
     // TLS files are read before the storage is opened, so a bad file fails at once.
+    let http1 = HTTP1Channel.Configuration(idleTimeout: .seconds(options.limits.idleTimeoutSeconds))
     let server: HTTPServerBuilder =
-      try options.tls.map { try .tls(.http1(), tlsConfiguration: $0.configuration()) } ?? .http1()
+      try options.tls.map { try .tls(.http1(configuration: http1), tlsConfiguration: $0.configuration()) }
+      ?? .http1(configuration: http1)
     let scheme = options.tls == nil ? "http" : "https"
     let metrics = ServerMetrics()
     metrics.bootstrap()

@@ -123,9 +123,23 @@ struct ServeCommand: ParsableCommand {
   var maxLongPollsPerToken = ServerLimits().maxLongPollsPerToken
   @Option(help: "JSON bytes of one change page, e.g. 8M (a page holds at least one record).")
   var maxChangePage = "8M"
+  @Option(
+    help:
+      "Close a connection that sends nothing this long (no request, or one part way), e.g. 30s; a long-poll is not idle."
+  )
+  var idleTimeout = "30s"
   @OptionGroup var storage: StorageOptions
 
+  /// `--idle-timeout` in seconds: from 1 s to a day.
+  func idleTimeoutSeconds() throws -> Int64 {
+    guard let seconds = try? parseDuration(idleTimeout), seconds <= 86_400 else {
+      throw ValidationError("--idle-timeout must be a duration from 1s to 24h, e.g. 30s")
+    }
+    return seconds
+  }
+
   func validate() throws {
+    _ = try idleTimeoutSeconds()
     _ = try parseListen(listen)
     if (tlsCert == nil) != (tlsKey == nil) { throw ValidationError("--tls-cert and --tls-key go together") }
     if Logger.Level(rawValue: logLevel) == nil { throw ValidationError("unknown --log-level \(logLevel)") }
@@ -161,6 +175,7 @@ struct ServeCommand: ParsableCommand {
       options.limits.pollIntervalMs = pollIntervalMs
       options.collection = try collectionSchedule()
       options.limits.maxLongPollsPerToken = maxLongPollsPerToken
+      options.limits.idleTimeoutSeconds = try idleTimeoutSeconds()
       options.limits.cloud.maxContainersPerAccount = maxContainers
       options.limits.cloud.maxItemsPerContainer = maxItemsPerContainer
       options.limits.cloud.maxChangePageBytes = try changePageBytes()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import random
 import sqlite3
+import socket
 import subprocess
+import time
 import urllib.parse
 
 import pytest
 from test_api import C, CQ, error, item, put_file, sha
-from ubiqstack import Api, PostgresCluster, run_cli
+from ubiqstack import Api, PostgresCluster, ServerProcess, create_account, run_cli
 
 INT64_MAX = 2**63 - 1
 
@@ -180,6 +182,41 @@ def test_a_malformed_chunked_body_gets_a_json_400(api, route):
     assert resp.status == 400, (resp.status, body)
     assert json.loads(body)["code"] == "bad_request", body
     assert api.get(f"{CQ}/items/documents").status == 200, "the server keeps serving"
+
+
+def test_connections_that_send_nothing_are_closed_after_the_idle_timeout(storage, tmp_path):
+    """A connection that never finishes its request (a header sent a line at a time, a body
+    shorter than its Content-Length) or sends nothing is closed after `--idle-timeout`, so such
+    clients cannot hold the server's connections for ever; a request being answered (a
+    long-poll) is not idle, and ordinary requests are served meanwhile."""
+    srv = ServerProcess(storage, tmp_path / "serve.log", extra=["--idle-timeout", "2s"]).start()
+    try:
+        token = create_account(storage, "idle-acct")
+        api = Api(srv.url, token)
+        api.ensure_container(C)
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+        header = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+        header.sendall(b"GET /healthz HTTP/1.1\r\n")
+        body = socket.create_connection(("127.0.0.1", srv.port), timeout=15)
+        body.sendall(f"PUT {CQ}/kv/k HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"va".encode())
+        last = api.get(f"{CQ}/changes?since=0").json()["token"]
+        waited = time.time()
+        poll = api.get(f"{CQ}/changes/wait?since={last}&timeout=4000")
+        assert poll.status == 200 and poll.json()["changed"] is False, poll.body
+        assert time.time() - waited >= 3.5, "a long-poll of 4 s outlives the 2 s idle timeout"
+        start = time.time()
+        for s in (silent, header, body):
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+            s.close()
+        assert time.time() - start < 10, "idle connections are closed"
+        assert api.get("/healthz").status == 200
+    finally:
+        srv.stop()
 
 
 def test_malformed_bearer_tokens_get_401(server):
