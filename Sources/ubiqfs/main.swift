@@ -56,6 +56,13 @@ func runCLI() -> Never {
   // 0700 and files 0600 by the system, with no window in which they are readable by others.
   // Files seen through a mount take their modes from the index, not from this mask.
   umask(0o077)
+  // Arguments are bytes; Swift reads them as strings with U+FFFD in place of bytes that are
+  // not UTF-8, which would turn two keys (or names) into one. Such an argument is refused.
+  for i in 1..<Int(CommandLine.argc) {
+    guard let raw = CommandLine.unsafeArgv[i], String(validatingCString: raw) == nil else { continue }
+    eprint("ubiqfs: argument \(i) is not valid UTF-8")
+    exit(ExitCode.validationFailure.rawValue)
+  }
   do {
     var command = try Ubiqfs.parseAsRoot()
     try command.run()

@@ -253,6 +253,15 @@ def test_content_commands_outside_a_mount_touch_nothing(ubiq, tmp_path, command)
     assert [a for a in os.listxattr(tmp_path / "sub") if a.startswith("user.ubiq")] == []
 
 
+def test_an_argument_that_is_not_utf8_is_refused_not_replaced(ubiq):
+    """Arguments are bytes; one that is not valid UTF-8 (a key, a value, a path) gets a one-line
+    error, instead of being read with U+FFFD in place of its bad bytes (which made two keys one)."""
+    for args in ([b"kv", b"set", b"x\xff", b"1"], [b"kv", b"set", b"u8", b'"\xff\xfeab"'], [b"find", b"\xff*"]):
+        cp = subprocess.run([str(conftest.UBIQFS_BIN).encode(), *args], env=ubiq.env, capture_output=True, text=True, timeout=60)
+        assert_one_line_error(cp, "not valid UTF-8")
+    assert ubiq.run("kv", "get", "x\ufffd", check=False).returncode != 0, "nothing was stored under a replaced key"
+
+
 def test_usage_errors_exit_non_zero(ubiq, tmp_path):
     for args in (["mount"], ["mount", "a.b", "c", "d"], ["bogus"], ["mount", "--upload-delay-ms=-5", tmp_path]):
         cp = ubiq.run(*args, check=False)
