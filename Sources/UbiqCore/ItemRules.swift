@@ -45,6 +45,14 @@ extension ItemName {
 }
 
 extension CloudItem {
+  /// The longest symlink target a Linux mount can show (PATH_MAX less its NUL).
+  public static let maxSymlinkTargetBytes = 4095
+  /// The largest extended attribute value (Linux's XATTR_SIZE_MAX).
+  public static let maxXattrValueBytes = 64 * 1024
+  /// The most bytes of extended attribute names (each with its NUL) an item may have: listxattr
+  /// answers at most 64 KiB, and the mount adds its own `user.ubiq.*` names.
+  public static let maxXattrNamesBytes = 60 * 1024
+
   /// The first rule of the cloud's tree this version breaks, or nil. (The container root,
   /// which the cloud makes and nothing writes, has no parent.)
   public var brokenRule: BrokenItemRule? {
@@ -66,6 +74,18 @@ extension CloudItem {
       return .invalid("Documents stays in the container root")
     }
     if kind == .symlink && (symlinkTarget ?? "").isEmpty { return .invalid("symlink without target") }
+    if let target = symlinkTarget, target.utf8.count > Self.maxSymlinkTargetBytes || target.utf8.contains(0) {
+      return .invalid("symlink target longer than \(Self.maxSymlinkTargetBytes) bytes, or with a NUL")
+    }
+    var namesBytes = 0
+    for (name, value) in xattrs {
+      if name.isEmpty || name.utf8.count > 255 || name.utf8.contains(0) {
+        return .invalid("extended attribute name empty, longer than 255 bytes or with a NUL")
+      }
+      if value.count > Self.maxXattrValueBytes { return .invalid("extended attribute \(name) larger than 64 KiB") }
+      namesBytes += name.utf8.count + 1
+    }
+    if namesBytes > Self.maxXattrNamesBytes { return .invalid("extended attribute names longer than 60 KiB in all") }
     if size < 0 { return .invalid("negative size") }
     if (conflicts ?? []).contains(where: { $0.size < 0 }) { return .invalid("negative conflict version size") }
     return nil

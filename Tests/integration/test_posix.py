@@ -407,6 +407,27 @@ def test_user_xattrs_syscalls(ubiq):
     assert os.getxattr(ubiq.docs, "user.dir") == b"yes"
 
 
+def test_attributes_that_no_longer_fit_give_enospc_and_the_rest_stay_listable(ubiq):
+    """As on ext4, extended attributes that no longer fit give ENOSPC. Here the bound is what
+    listxattr can answer (and the cloud takes): about 60 KiB of names. Whatever was set stays
+    listable and uploads."""
+    p = ubiq.docs / "many.txt"
+    write_file(p, "x")
+    names = [f"user.attribute-{i:05d}-" + "p" * 20 for i in range(3000)]
+    stored = []
+    with pytest.raises(OSError) as refused:
+        for n in names:
+            os.setxattr(p, n, b"v")
+            stored.append(n)
+    assert refused.value.errno == errno.ENOSPC, refused.value
+    assert 1400 < len(stored) < 1500, len(stored)  # 42 bytes a name, 60 KiB in all
+    listed = os.listxattr(p)
+    assert set(stored) <= set(listed)
+    os.setxattr(p, stored[0], b"replaced")  # an attribute it has can still change
+    ubiq.sync()
+    assert ubiq.status()[0]["queue"]["failing"] == []
+
+
 def test_virtual_status_xattrs(ubiq):
     p = ubiq.docs / "s.txt"
     write_file(p, "status")

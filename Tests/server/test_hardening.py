@@ -5,6 +5,7 @@ ever produce JSON 2xx/4xx answers while the server keeps serving. Also `ubiqfs s
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 import sqlite3
@@ -162,6 +163,25 @@ def test_device_ids_are_length_checked_and_the_content_author_round_trips(api):
 def test_bad_parent_ids_are_refused(api):
     api.ensure_container(C)
     error(put(api, folder("p1", "p1", parent="../documents")), 400, "invalid_id")
+
+
+def test_symlink_targets_and_extended_attributes_a_mount_cannot_show_are_refused(api):
+    """The limits a Linux mount has are the cloud's: a symlink target of at most 4095 bytes, an
+    extended attribute name of at most 255 bytes, a value of at most 64 KiB, at most 60 KiB of
+    names in all (listxattr's buffer is 64 KiB, and the mount adds its own). A record past one is
+    a 400, never stored; at the limit it is fine."""
+    api.ensure_container(C)
+    b64 = lambda n: base64.b64encode(b"v" * n).decode()  # noqa: E731
+    link = lambda target: item("l1", "l", kind=3, symlinkTarget=target, mode=0o777)  # noqa: E731
+    error(put(api, link("t" * 4096)), 400, "invalid")
+    error(put(api, dict(folder("x1", "x"), xattrs={"user." + "n" * 251: b64(1)})), 400, "invalid")
+    error(put(api, dict(folder("x1", "x"), xattrs={"user.big": b64(65537)})), 400, "invalid")
+    many = {f"user.attribute-{i:05d}-" + "p" * 20: b64(1) for i in range(2200)}
+    error(put(api, dict(folder("x1", "x"), xattrs=many)), 400, "invalid")
+    for bad in ("l1", "x1"):
+        error(api.get(f"{CQ}/items/{bad}"), 404, "not_found")
+    assert put(api, link("t" * 4095)).status == 201
+    assert put(api, dict(folder("x2", "x2"), xattrs={"user." + "n" * 250: b64(65536)})).status == 201
 
 
 @pytest.mark.parametrize("route", [f"{CQ}/items/x1", f"{CQ}/kv/k", "/v1/chunks/" + "a" * 64])
