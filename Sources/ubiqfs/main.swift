@@ -43,6 +43,21 @@ func cli(_ body: () throws -> Void) throws {
     throw e
   } catch let e as ValidationError {
     throw e
+  } catch let e as CocoaError {
+    // A file Foundation could not read or write: its path and the system's reason.
+    let path = e.filePath ?? e.url?.path
+    let reason = (e.underlying as? POSIXError).map { String(cString: strerror($0.code.rawValue)) }
+    eprint("ubiqfs: \(path.map { "\($0): " } ?? "")\(reason ?? e.localizedDescription)")
+    throw ExitCode.failure
+  } catch let e as DecodingError {
+    let detail: String
+    switch e {
+    case .dataCorrupted(let c), .keyNotFound(_, let c), .typeMismatch(_, let c), .valueNotFound(_, let c):
+      detail = c.debugDescription
+    @unknown default: detail = "\(e)"
+    }
+    eprint("ubiqfs: invalid JSON: \(detail)")
+    throw ExitCode.failure
   } catch {
     eprint("ubiqfs: \(error)")
     throw ExitCode.failure

@@ -262,6 +262,21 @@ def test_an_argument_that_is_not_utf8_is_refused_not_replaced(ubiq):
     assert ubiq.run("kv", "get", "x\ufffd", check=False).returncode != 0, "nothing was stored under a replaced key"
 
 
+def test_a_file_the_cli_cannot_read_is_named_in_one_plain_line(ubiq, tmp_path):
+    """A missing or malformed input file gets one line that names it and says why, in the
+    system's words, not Foundation's error dump."""
+    missing = tmp_path / "missing.json"
+    for args in (["kv", "set", "k", "--data", missing], ["kv", "import", missing]):
+        cp = ubiq.run(*args, check=False)
+        assert_one_line_error(cp, f"{missing}: No such file or directory")
+        assert "Domain=" not in cp.stderr, cp.stderr
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text('{"a":')
+    cp = ubiq.run("kv", "import", truncated, check=False)
+    assert_one_line_error(cp, "invalid JSON")
+    assert "DecodingError" not in cp.stderr, cp.stderr
+
+
 def test_usage_errors_exit_non_zero(ubiq, tmp_path):
     for args in (["mount"], ["mount", "a.b", "c", "d"], ["bogus"], ["mount", "--upload-delay-ms=-5", tmp_path]):
         cp = ubiq.run(*args, check=False)
