@@ -122,6 +122,7 @@ struct KVSet: ParsableCommand {
   func run() throws {
     try cli {
       let v: JSONValue
+      if data != nil && value != nil { throw UbiqError.invalidArgument("give a VALUE or --data FILE, not both") }
       if let data {
         let bytes = try Data(contentsOf: URL(fileURLWithPath: absolutePath(data)))
         v = .object(["$data": .string(bytes.base64EncodedString())])

@@ -25,11 +25,11 @@ struct MountCommand: ParsableCommand {
   var uploadDelayMs: Int = 1000
   @Option(help: "Milliseconds to wait before retrying after the cloud's change feed failed.")
   var pullIntervalMs: Int = 1000
-  @Option(help: "Content cache budget, e.g. 10G, 500M (default: no limit besides --min-free).")
+  @Option(help: "Content cache budget, e.g. 10G, 500M; 0 or left out: no limit besides --min-free.")
   var cacheBudget: String?
-  @Option(help: "Cap download bandwidth, bytes per second (e.g. 10M); default unlimited.")
+  @Option(help: "Cap download bandwidth, bytes per second (e.g. 10M); 0 or left out: unlimited.")
   var downloadLimit: String?
-  @Option(help: "Cap upload bandwidth, bytes per second (e.g. 10M); default unlimited.")
+  @Option(help: "Cap upload bandwidth, bytes per second (e.g. 10M); 0 or left out: unlimited.")
   var uploadLimit: String?
   @Option(help: "Free space to keep on the cache's disk, e.g. 1G.")
   var minFree: String = "1G"

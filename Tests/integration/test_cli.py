@@ -270,6 +270,8 @@ def test_a_file_the_cli_cannot_read_is_named_in_one_plain_line(ubiq, tmp_path):
         cp = ubiq.run(*args, check=False)
         assert_one_line_error(cp, f"{missing}: No such file or directory")
         assert "Domain=" not in cp.stderr, cp.stderr
+    (tmp_path / "v.bin").write_bytes(b"bytes")
+    assert_one_line_error(ubiq.run("kv", "set", "k", "42", "--data", tmp_path / "v.bin", check=False), "not both")
     truncated = tmp_path / "truncated.json"
     truncated.write_text('{"a":')
     cp = ubiq.run("kv", "import", truncated, check=False)
