@@ -53,6 +53,19 @@ public enum ConflictMerge {
       && Set((merged.conflicts ?? []).map(\.versionID)) == Set((local.conflicts ?? []).map(\.versionID))
   }
 
+  /// The cloud's conflict versions, and those the local side took on since the base (a file
+  /// renamed over this one brings its versions along): content no other side has.
+  static func versionsKept(local: CloudItem, base: CloudItem?, server: CloudItem) -> [ConflictVersion] {
+    var kept = server.conflicts ?? []
+    let baseVersions = Set((base?.conflicts ?? []).map(\.versionID))
+    for version in local.conflicts ?? [] where !baseVersions.contains(version.versionID) {
+      if !kept.contains(where: { $0.versionID == version.versionID || $0.chunks == version.chunks }) {
+        kept.append(version)
+      }
+    }
+    return kept
+  }
+
   /// The merged record. `newVersionID` names this device's content if it loses and is kept as
   /// a conflict version (a fresh identifier; unused otherwise). `unanswered`: where the item
   /// was, and its mode, in this device's commits of it sent since its last stored one
@@ -64,7 +77,9 @@ public enum ConflictMerge {
     // Edited here, deleted there: the edit wins and brings the item back.
     if server.deleted {
       var out = local
-      out.conflicts = server.conflicts ?? local.conflicts
+      let conflicts =
+        server.conflicts == nil ? local.conflicts ?? [] : versionsKept(local: local, base: base, server: server)
+      out.conflicts = conflicts.isEmpty ? nil : conflicts
       out.settledNameOf = nil
       return out
     }
@@ -113,7 +128,7 @@ public enum ConflictMerge {
     if local.kind == .symlink, base.map({ $0.symlinkTarget != local.symlinkTarget }) ?? true {
       out.symlinkTarget = local.symlinkTarget
     }
-    var conflicts = server.conflicts ?? []
+    var conflicts = versionsKept(local: local, base: base, server: server)
     if local.kind == .file {
       let localChanged = base.map { $0.chunks != local.chunks } ?? true
       let serverChanged = base.map { $0.chunks != server.chunks } ?? (server.chunks != local.chunks)

@@ -59,6 +59,22 @@ import UbiqIndex
     #expect(retried.conflicts?.count == 1)
   }
 
+  /// A file renamed over this one brought its own conflict versions along (content only this
+  /// device has now): a merge with the cloud's newer version keeps them, beside the loser.
+  @Test func conflictVersionsTheLocalSideTookOnAreKept() {
+    let base = Self.file("base", mtimeNs: 1, by: "device-a", etag: "3")
+    let theirs = Self.file("theirs", mtimeNs: 20, by: "device-b", etag: "4")
+    var mine = Self.file("mine", mtimeNs: 10, by: "device-a")
+    let brought = ConflictVersion(
+      versionID: "v9", deviceID: "device-c", mtimeNs: 5, size: 7,
+      chunks: Self.file("brought", mtimeNs: 5, by: "c").chunks)
+    mine.conflicts = [brought]
+    let merged = ConflictMerge.merge(
+      local: mine, base: base, server: theirs, deviceID: "device-a", newVersionID: Self.versionID)
+    #expect(merged.chunks == theirs.chunks)
+    #expect(Set((merged.conflicts ?? []).map(\.chunks)) == [brought.chunks, mine.chunks])
+  }
+
   /// A name this device's sync chose (`settledNameOf`) is no user's change: when the cloud's
   /// place changed meanwhile (a user's rename elsewhere), the merge takes the cloud's place;
   /// when it did not, the settled name stays (it settles a name collision).

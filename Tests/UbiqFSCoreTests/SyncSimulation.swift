@@ -1655,6 +1655,17 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 2's edit of f meets device 1's and is kept as f's conflict version; device 0 pulls
+    // f with it, then renames f over d, which device 0 had edited while device 2's edit of d
+    // waited (held). d's upload meets device 2's version of d and merges: the merge kept the
+    // cloud's conflict versions and the loser only, and dropped the conflict version f brought
+    // along, device 2's edit of f (found by the sim soak, seed
+    // DUguJMV/JtxxrDoxmF8F4w8gS9SBU8o0VXkPVDjfCrI=).
+    [
+      (1, 0, 0, 0, 0), (1, 6, 0, 1, 0), (0, 0, 2, 0, 0), (1, 0, 0, 0, 0), (0, 6, 0, 0, 1), (2, 8, 0, 0, 0),
+      (1, 6, 0, 0, 0), (2, 0, 0, 0, 0), (2, 0, 2, 0, 0), (2, 6, 0, 0, 1), (0, 0, 2, 0, 0), (0, 8, 0, 0, 0),
+      (0, 5, 0, 2, 0),
+    ],
     // Device 2's first upload of f reaches the cloud twice with its replies lost (the second,
     // held back by the network, arrives later); its next upload meets that version of its own
     // and merges with it, and while the merge is committed the user deletes f. The merge took
