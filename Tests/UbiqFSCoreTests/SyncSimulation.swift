@@ -370,10 +370,18 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     -> CloudItem
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("delete \(itemID) if-match \(ifMatch ?? "-")") { [inner] in
-      try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+    do {
+      return try await write("delete \(itemID) if-match \(ifMatch ?? "-")") { [inner] in
+        try await inner.deleteItem(container, itemID: itemID, ifMatch: ifMatch, deviceID: deviceID)
+      }
+    } catch CloudError.notEmpty(let why, let blockingItemID) {
+      await afterFolderDeleteRefused?(itemID)
+      throw CloudError.notEmpty(why, blockingItemID: blockingItemID)
     }
   }
+  /// Runs when the cloud refuses to delete a folder because something is in it, with the
+  /// folder's id, before the answer reaches the client.
+  var afterFolderDeleteRefused: (@Sendable (String) async -> Void)?
   /// Requests that delete items (one or a batch), sent so far.
   var deleteRequests: Int { lock.withLock { deleteRequestsSent } }
   private var deleteRequestsSent = 0
@@ -382,9 +390,13 @@ final class FlakyCloud: CloudService, @unchecked Sendable {
     -> ItemBatchResults
   {
     lock.withLock { deleteRequestsSent += 1 }
-    return try await write("deletes \(deletes.map { "\($0.itemID) if-match \($0.ifMatch)" })") { [inner] in
+    let results = try await write("deletes \(deletes.map { "\($0.itemID) if-match \($0.ifMatch)" })") { [inner] in
       try await inner.deleteItems(container, deletes, deviceID: deviceID)
     }
+    if case .notEmpty? = results.refused, results.committed.count < deletes.count {
+      await afterFolderDeleteRefused?(deletes[results.committed.count].itemID)
+    }
+    return results
   }
   func ensureContainer(_ container: ContainerID) async throws { try await inner.ensureContainer(container) }
   func missingChunks(_ hashes: [String]) async throws -> Set<String> {
@@ -592,6 +604,29 @@ struct Place: Hashable {
   }
 }
 
+/// The folders the cloud refused to delete because something was in them: for each, the step
+/// of each refusal and the items below the folder in the cloud then. Written from the devices'
+/// links, read by the zombie check.
+final class RefusedFolderDeletes: @unchecked Sendable {
+  private let lock = NSLock()
+  private var steps = 0
+  private var byFolder: [String: [(step: Int, below: Set<String>)]] = [:]
+
+  /// The simulation's current step, which a refusal is noted at.
+  var step: Int {
+    get { lock.withLock { steps } }
+    set { lock.withLock { steps = newValue } }
+  }
+
+  func note(_ folder: String, below: Set<String>) {
+    lock.withLock { byFolder[folder, default: []].append((steps, below)) }
+  }
+
+  func refusals(of folder: String) -> [(step: Int, below: Set<String>)] {
+    lock.withLock { byFolder[folder] ?? [] }
+  }
+}
+
 /// Several devices (each the real core, index, uploader and puller) over one embedded cloud,
 /// driven step by step in one thread, so a sequence of steps replays exactly. Checks at the end,
 /// after everything is healed and quiet, that every device and the cloud show the same tree,
@@ -616,7 +651,11 @@ final class SyncSimulation {
   var replay: [String] = []
   /// The steps run, by name and as tuples, for a failure's message.
   var report: String { "steps: \(log); replay as (device, kind, a, b, n): [\(replay.joined(separator: ", "))]" }
-  var step = 0
+  var step = 0 {
+    didSet { refusedFolderDeletes.step = step }
+  }
+  /// Every refusal of the cloud to delete a folder that was not empty.
+  let refusedFolderDeletes = RefusedFolderDeletes()
   /// The user steps that removed each item: the device, the step, and whether that device had
   /// seen every change of the item and of everything below it when it removed it (`seenAll`).
   /// A removed item must stay deleted unless a change made elsewhere, that the remover had not
@@ -672,6 +711,10 @@ final class SyncSimulation {
       let device = try CoreWorld(
         cloud: link, clock: time.clock(device: d), identifiers: Self.identifiers(device: d), waitClock: TestClock())
       device.uploadsWaitForBackoff = true
+      link.afterFolderDeleteRefused = { [refusedFolderDeletes, shared, container = device.container] folder in
+        guard let records = try? await Self.liveRecords(of: shared, in: container) else { return }
+        refusedFolderDeletes.note(folder, below: Self.subtree(folder, Self.children(records.mapValues { $0.parentID })))
+      }
       devices.append(device)
     }
     observed = Array(repeating: [], count: count)
@@ -1339,13 +1382,17 @@ final class SyncSimulation {
 
   /// The cloud's live records, by item id, read from the whole change feed.
   func cloudRecords() throws -> [String: CloudItem] {
-    let container = devices[0].container
+    try runBlocking { [shared, container = devices[0].container] in
+      try await Self.liveRecords(of: shared, in: container)
+    }
+  }
+
+  /// The live records of `container` in `cloud`, by item id, read from the whole change feed.
+  static func liveRecords(of cloud: CloudService, in container: ContainerID) async throws -> [String: CloudItem] {
     var live: [String: CloudItem] = [:]
     var token: Int64 = 0
-    let shared = self.shared
     while true {
-      let since = token
-      let batch = try runBlocking { try await shared.changes(container, since: since, limit: 500) }
+      let batch = try await cloud.changes(container, since: token, limit: 500)
       for item in batch.items { live[item.itemID] = item.deleted ? nil : item }
       token = batch.token
       if !batch.hasMore { break }
@@ -1461,13 +1508,22 @@ final class SyncSimulation {
       // with it came after it and had seen everything, or was made by the device that made the
       // change. A removal made before the changed item was moved below did not take it: it
       // cannot have seen it there.
-      let excused = Self.subtree(id, childrenInCloud).contains { item in
+      func unseenChange(of item: String, madeBy step: Int) -> Bool {
         changes[item, default: []].contains { change in
-          !removals.contains {
-            $0.step > change.step && $0.removed.contains(item) && ($0.seenAll || $0.device == change.device)
-          }
+          change.step <= step
+            && !removals.contains {
+              $0.step > change.step && $0.removed.contains(item) && ($0.seenAll || $0.device == change.device)
+            }
         }
       }
+      // So does such a change below the folder when the cloud refused to delete it for what it
+      // held: the delete came after the change, and what became of the change later (moved out,
+      // say) is a later step, which does not delete the folder.
+      let excused =
+        Self.subtree(id, childrenInCloud).contains { unseenChange(of: $0, madeBy: Int.max) }
+        || refusedFolderDeletes.refusals(of: id).contains { refusal in
+          refusal.below.contains { unseenChange(of: $0, madeBy: refusal.step) }
+        }
       if excused { continue }
       let back =
         devices.indices.filter { live[$0].contains(id) }.map { "device \($0)" }
@@ -3335,6 +3391,16 @@ final class SyncSimulation {
     [
       (1, "rename", "d/e", "e/e"), (1, "moveInto", "d", "e/e"), (1, "upload", "f", "f"),
       (0, "moveInto", "d/e", "d/d/e"),
+    ],
+    // Device 1 adds a file to e; device 0, which has not seen it, moves e into d/e and removes
+    // d. The cloud refuses the deletes of e, d/e and d for that file: they come back. Device 2
+    // then renames e, which moves it out of d/e on every device. d and d/e stay: the delete was
+    // refused for what they held then, and the rename is a later step that deletes nothing
+    // (found by the folder soak, seed E1scRtFqK2lv2edKQAAFW+7QUGH4MPArOIn2gJyWwBQ=).
+    [
+      (1, "rename", "e/d", "f"), (1, "userStepDuringUpload", "e/d", "d"), (0, "moveInto", "e", "d/e"),
+      (2, "rename", "e", "f"), (0, "otherStepDuringUpload", "d", "d"), (1, "otherStepDuringUpload", "d", "d"),
+      (0, "rmtree", "d", "d"),
     ],
   ]
 
