@@ -14,13 +14,19 @@ import UbiqCore
 public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendable {
   /// Run this (it is a ServiceLifecycle service) for as long as the store is used.
   public let client: PostgresClient
+  /// The pool's and the queries' logger.
   let log: Logger
+  /// The store's own messages (a schema update waiting on running servers).
+  let messages: Logger
   static let encoder = JSONEncoder()
   static let decoder = JSONDecoder()
 
-  public init(url: String, logger: Logger = Logger(label: "ubiqfs.postgres")) throws {
+  /// `logger` takes the pool's and the queries' messages; `messages` the store's own (by
+  /// default `logger` too).
+  public init(url: String, logger: Logger = Logger(label: "ubiqfs.postgres"), messages: Logger? = nil) throws {
     client = PostgresClient(configuration: try Self.configuration(url: url), backgroundLogger: logger)
     log = logger
+    self.messages = messages ?? logger
   }
 
   /// Where and how to connect, parsed from
@@ -182,31 +188,85 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   func mapErrors<T>(_ body: () async throws -> T) async throws -> T {
     do {
       return try await body()
-    } catch let e as CloudError {
-      throw e
-    } catch let e as KeyValueError {
-      throw e
-    } catch let e as PSQLError {
-      throw CloudError.unavailable("PostgreSQL: \(String(reflecting: e))")
-    } catch is CancellationError {
-      throw CancellationError()
     } catch {
-      throw CloudError.unavailable("PostgreSQL: \(error)")
+      throw Self.mapped(error)
     }
   }
 
-  /// Creates the schema if needed (idempotent; serialized by an advisory lock so several
-  /// servers may start at once).
+  /// `error` as the metadata store reports it: typed errors unchanged, PostgreSQL's as
+  /// `CloudError.unavailable`.
+  static func mapped(_ error: Error) -> Error {
+    switch error {
+    case is CloudError, is KeyValueError, is CancellationError: return error
+    case let e as PSQLError: return CloudError.unavailable("PostgreSQL: \(String(reflecting: e))")
+    default: return CloudError.unavailable("PostgreSQL: \(error)")
+    }
+  }
+
+  /// Creates or updates the schema if needed. A database that records this build's schema
+  /// (`schemaDigest`) gets no DDL at all: `ALTER TABLE` waits for every transaction on its
+  /// table and blocks those that come after it, so a server started next to running ones must
+  /// not issue it. An update is serialized by an advisory lock (several servers may start at
+  /// once), waits at most a few seconds for each table lock, and is tried again when it loses a
+  /// deadlock or that wait to the running servers' transactions.
   public func migrate() async throws {
-    try await transaction { conn in
-      try await conn.query("SELECT pg_advisory_xact_lock(7400105)", logger: log)
-      for statement in Self.schema {
-        try await conn.query(PostgresQuery(unsafeSQL: statement), logger: log)
+    if try await recordedSchemaDigest() == Self.schemaDigest { return }
+    var attempt = 0
+    while true {
+      do {
+        try await client.withConnection { conn in
+          try await conn.query("BEGIN", logger: log)
+          do {
+            try await conn.query("SET LOCAL lock_timeout = '5s'", logger: log)
+            try await conn.query("SELECT pg_advisory_xact_lock(7400105)", logger: log)
+            for statement in Self.schema {
+              try await conn.query(PostgresQuery(unsafeSQL: statement), logger: log)
+            }
+            try await conn.query(
+              """
+              INSERT INTO schema_version(id, digest) VALUES (1, \(Self.schemaDigest))
+              ON CONFLICT (id) DO UPDATE SET digest = EXCLUDED.digest
+              """, logger: log)
+            try await conn.query("COMMIT", logger: log)
+          } catch {
+            _ = try? await conn.query("ROLLBACK", logger: log)
+            throw error
+          }
+        }
+        return
+      } catch let e as PSQLError where Self.lostToOtherTransactions(e) && attempt < 12 {
+        attempt += 1
+        messages.warning("schema update waited on running servers (\(e.serverInfo?[.sqlState] ?? "")); trying again")
+        try await Task.sleep(nanoseconds: UInt64(attempt) * 250_000_000)
+      } catch {
+        throw Self.mapped(error)
       }
     }
   }
 
+  /// The schema digest the database records, nil before any was recorded.
+  func recordedSchemaDigest() async throws -> String? {
+    try await read { conn in
+      let exists = try await Self.first(
+        conn.query("SELECT to_regclass('schema_version') IS NOT NULL", logger: log), Bool.self)
+      guard exists == true else { return nil }
+      return try await Self.first(
+        conn.query("SELECT digest FROM schema_version WHERE id = 1", logger: log), String.self)
+    }
+  }
+
+  /// A deadlock the server broke by aborting this transaction, or a lock not granted within
+  /// `lock_timeout`: the statement lost to other transactions and may be tried again.
+  static func lostToOtherTransactions(_ e: PSQLError) -> Bool {
+    guard let state = e.serverInfo?[.sqlState] else { return false }
+    return state == "40P01" || state == "55P03"
+  }
+
+  /// The digest of `schema`: what a database that has it records in `schema_version`.
+  static let schemaDigest = SigV4Signer.sha256Hex(Data(schema.joined(separator: ";\n").utf8))
+
   static let schema = [
+    "CREATE TABLE IF NOT EXISTS schema_version(id INT PRIMARY KEY CHECK (id = 1), digest TEXT NOT NULL)",
     """
     CREATE TABLE IF NOT EXISTS accounts(name TEXT PRIMARY KEY, quota_bytes BIGINT NOT NULL DEFAULT 0,
       used_bytes BIGINT NOT NULL DEFAULT 0)

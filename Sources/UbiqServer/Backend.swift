@@ -49,7 +49,7 @@ public struct Backend: Sendable {
       // failures still surface as errors of the queries that hit them.
       var poolLogger = logger
       poolLogger.logLevel = .error
-      let store = try PostgresMetadataStore(url: url, logger: poolLogger)
+      let store = try PostgresMetadataStore(url: url, logger: poolLogger, messages: logger)
       try await PostgresMetadataStore.probe(url: url, logger: poolLogger)
       let http = HTTPClient(
         eventLoopGroupProvider: .singleton,
