@@ -47,6 +47,8 @@ extension ItemName {
 extension CloudItem {
   /// The longest symlink target a Linux mount can show (PATH_MAX less its NUL).
   public static let maxSymlinkTargetBytes = 4095
+  /// The longest extended attribute name (Linux's XATTR_NAME_MAX).
+  public static let maxXattrNameBytes = 255
   /// The largest extended attribute value (Linux's XATTR_SIZE_MAX).
   public static let maxXattrValueBytes = 64 * 1024
   /// The most bytes of extended attribute names (each with its NUL) an item may have: listxattr
@@ -79,8 +81,8 @@ extension CloudItem {
     }
     var namesBytes = 0
     for (name, value) in xattrs {
-      if name.isEmpty || name.utf8.count > 255 || name.utf8.contains(0) {
-        return .invalid("extended attribute name empty, longer than 255 bytes or with a NUL")
+      if name.isEmpty || name.utf8.count > Self.maxXattrNameBytes || name.utf8.contains(0) {
+        return .invalid("extended attribute name empty, longer than \(Self.maxXattrNameBytes) bytes or with a NUL")
       }
       if value.count > Self.maxXattrValueBytes { return .invalid("extended attribute \(name) larger than 64 KiB") }
       namesBytes += name.utf8.count + 1

@@ -128,16 +128,8 @@ struct XattrSurface {
       return
     }
     guard name.hasPrefix("user.") else { throw UbiqError.notSupported("only user.* attributes are stored") }
-    if name.utf8.count > 255 { throw UbiqError.range("attribute name too long") }
+    if name.utf8.count > CloudItem.maxXattrNameBytes { throw UbiqError.range("attribute name too long") }
     if value.count > CloudItem.maxXattrValueBytes { throw UbiqError.range("attribute value larger than 64 KiB") }
-    // As on ext4, attributes that no longer fit give ENOSPC; here the bound is what listxattr
-    // can answer (and the cloud takes).
-    let names = try fs.index.xattrNames(row.id!)
-    if !names.contains(name),
-      names.reduce(name.utf8.count + 1, { $0 + $1.utf8.count + 1 }) > CloudItem.maxXattrNamesBytes
-    {
-      throw UbiqError.noSpace("extended attribute names longer than 60 KiB in all")
-    }
     let mode: IndexStore.XattrMode =
       flags.contains(.create) ? .create : (flags.contains(.replace) ? .replace : .any)
     try fs.index.setXattr(row.id!, name, value, mode: mode)

@@ -1082,6 +1082,17 @@ public final class IndexStore: @unchecked Sendable {
         ?? false
       if mode == .create && exists { throw UbiqError.exists(name) }
       if mode == .replace && !exists { throw UbiqError.noData(name) }
+      // As on ext4, an attribute that no longer fits gives ENOSPC; here the bound is what
+      // listxattr can answer (and the cloud takes).
+      if !exists {
+        let namesBytes =
+          try Int.fetchOne(
+            db.cached("SELECT coalesce(sum(length(CAST(name AS BLOB)) + 1), 0) FROM xattrs WHERE item = ?"),
+            arguments: [inode]) ?? 0
+        if namesBytes + name.utf8.count + 1 > CloudItem.maxXattrNamesBytes {
+          throw UbiqError.noSpace("extended attribute names longer than 60 KiB in all")
+        }
+      }
       try db.execute(
         sql: "INSERT OR REPLACE INTO xattrs(item, name, value) VALUES (?, ?, ?)", arguments: [inode, name, value])
       try db.execute(

@@ -158,10 +158,8 @@ public struct FileContent: Sendable {
         defer { close(fd) }
         var st = Glibc.stat()
         guard fstat(fd, &st) == 0 else { return false }
-        // The last write's time, unless an explicit time was set after it.
-        let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? self.index.clock.nowNs()
         try index.recordContentChange(
-          inode, size: Int64(st.st_size), mtimeNs: row.ctimeNs >= written ? nil : written, clean: true)
+          inode, size: Int64(st.st_size), mtimeNs: writeTime(of: st, row: row), clean: true)
         inodes.noteFlushed(inode)
         log.info("\(row.name): recorded \(st.st_size) bytes a closed handle could not record; queued for upload")
         return true
@@ -169,6 +167,14 @@ public struct FileContent: Sendable {
       if done { recorded += 1 }
     }
     return recorded
+  }
+
+  /// The modification time to record for what a cache file holds, from its `fstat`: the last
+  /// write's time, or nil (the row's stays) when an explicit time was set after it (touch,
+  /// cp -p).
+  private func writeTime(of st: Glibc.stat, row: ItemRow) -> Int64? {
+    let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? index.clock.nowNs()
+    return row.ctimeNs >= written ? nil : written
   }
 
   /// Any state → dirty: the content becomes its first `size` bytes (truncate, O_TRUNC), outside
@@ -333,10 +339,8 @@ public struct FileContent: Sendable {
         if synced { try index.clearContentUnsynced(inode, upTo: row.revision) }
         continue
       }
-      // The last write's time, unless an explicit time was set after it (touch, cp -p).
-      let written = (try? FileTime.nanoseconds(st.st_mtim)) ?? self.index.clock.nowNs()
-      let mtime: Int64? = row.ctimeNs >= written ? nil : written
-      try index.recordContentChange(inode, size: Int64(st.st_size), mtimeNs: mtime, clean: true, synced: synced)
+      try index.recordContentChange(
+        inode, size: Int64(st.st_size), mtimeNs: writeTime(of: st, row: row), clean: true, synced: synced)
       log.warning(
         "\(row.name): recorded \(st.st_size) bytes \(hadHandles ? "written" : "left in its cache file") before an unclean stop; queued for upload"
       )
