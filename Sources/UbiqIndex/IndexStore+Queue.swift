@@ -442,6 +442,21 @@ extension IndexStore {
     }
   }
 
+  /// Why `glob` is no pattern (a class `[...]` without its `]`, which matches nothing), or nil.
+  /// As in SQLite's GLOB, a `]` first in a class (after `[` or `[^`) is one of its characters.
+  public static func globProblem(_ glob: String) -> String? {
+    var scalars = glob.unicodeScalars.makeIterator()
+    while let c = scalars.next() {
+      guard c == "[" else { continue }
+      var next = scalars.next()
+      if next == "^" { next = scalars.next() }
+      if next == "]" { next = scalars.next() }
+      while let n = next, n != "]" { next = scalars.next() }
+      if next == nil { return "'[' without its ']' (a ']' first in a class, '[]]', is a literal one)" }
+    }
+    return nil
+  }
+
   /// For a glob that starts with a wildcard and ends with literal text (no `[...]` class):
   /// the bounds of the reversed names that end with that text. Nil for any other glob. SQLite
   /// compares the bounds by code point; Swift compares strings by canonical equivalence, which

@@ -210,13 +210,20 @@ struct SyncCommand: ParsableCommand {
 /// `ubiqfs find`: name search in the index (works on evicted items and offline).
 struct FindCommand: ParsableCommand {
   static let configuration = CommandConfiguration(
-    commandName: "find", abstract: "Find items by name (glob) in the index; works on evicted items, offline.")
+    commandName: "find", abstract: "Find items by name (glob) in the index; works on evicted items, offline.",
+    discussion: "Exits 0 when something matches, 1 when nothing does, and 64 for a malformed pattern.")
 
   @Argument(help: "Name pattern, e.g. '*.txt'.") var pattern: String
   @Option(help: "Container identifier (default: every container).") var container: String?
-  @Option(help: "At most this many results.") var limit: Int = 1000
+  @Option(help: "At most this many results (1 or more).") var limit: Int = 1000
   @OptionGroup var location: LocationOptions
 
+  func validate() throws {
+    if let problem = IndexStore.globProblem(pattern) { throw ValidationError("pattern \(pattern): \(problem)") }
+    if limit < 1 { throw ValidationError("--limit must be 1 or more") }
+  }
+
+  /// Prints the paths of the items that match; exits 1 when none does.
   func run() throws {
     try cli {
       if let container { _ = try ContainerID(container) }

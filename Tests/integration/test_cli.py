@@ -120,6 +120,31 @@ def test_find_nothing_exits_1(ubiq):
     assert cp.returncode == 1 and cp.stdout == ""
 
 
+@pytest.mark.parametrize("pattern", ["[", "a[b", "x[]", "[^]"])
+def test_find_a_malformed_pattern_is_an_error_not_a_silent_miss(ubiq, pattern):
+    write_file(ubiq.docs / "a[b", "a")
+    cp = ubiq.run("find", pattern, check=False)
+    # Not 1, which says "nothing matches" (as grep's 1 does).
+    assert cp.returncode not in (0, 1), cp
+    assert_one_line_error(cp, "']'")
+    assert cp.stdout == ""
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_find_a_limit_below_one_is_refused(ubiq, limit):
+    write_file(ubiq.docs / "a.txt", "a")
+    cp = ubiq.run("find", "*", "--limit", limit, check=False)
+    assert_one_line_error(cp, "--limit")
+    assert cp.stdout == ""
+
+
+def test_find_a_class_with_a_literal_bracket_matches(ubiq):
+    write_file(ubiq.docs / "a]b", "a")
+    write_file(ubiq.docs / "a[b", "a")
+    assert ubiq.run("find", "a[]]b").stdout.split() == [str(ubiq.docs / "a]b")]
+    assert ubiq.run("find", "a[[]b").stdout.split() == [str(ubiq.docs / "a[b")]
+
+
 def test_find_bad_container_id(ubiq):
     assert_one_line_error(ubiq.run("find", "*", "--container", "bad/id", check=False), "bad/id")
 
