@@ -55,8 +55,12 @@ public final class Daemon {
     // One daemon per container state folder.
     let lockFD = open(dir.appendingPathComponent("lock").path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
     guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
-      let holder = DaemonRecord.load(dir).map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
-      throw UbiqError.busy("container \(container) is already mounted\(holder); see 'ubiqfs status'")
+      let holder = DaemonRecord.load(dir)
+      if let holder, holder.isDetached {
+        throw UbiqError.busy("container \(container) is still \(holder.mountSummary)")
+      }
+      let at = holder.map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
+      throw UbiqError.busy("container \(container) is already mounted\(at); see 'ubiqfs status'")
     }
     defer { close(lockFD) }
     // With the lock held no other daemon of this container runs: a mount point the last one
@@ -118,7 +122,7 @@ public final class Daemon {
     }
     // The daemon's record goes first: a state folder that cannot take it (a full disk) fails
     // the mount before the kernel shows it, instead of a mount whose daemon then ends.
-    let record = DaemonRecord(
+    var record = DaemonRecord(
       pid: getpid(), mountpoint: mountpoint, container: container.rawValue, account: account, startedAt: Date())
     let recordURL = dir.appendingPathComponent("daemon.json")
     do {
@@ -136,6 +140,9 @@ public final class Daemon {
       try? FileManager.default.removeItem(at: recordURL)
       throw error
     }
+    // Mounted: a record without this (a full disk) reads as still mounting.
+    record.mountedAt = Date()
+    try? JSONEncoder().encode(record).write(to: recordURL, options: .atomic)
     worker.start()
     puller.start(retryNs: UInt64(pullIntervalMs) * 1_000_000)
 

@@ -50,6 +50,8 @@ public struct DaemonRecord: Codable, Sendable {
   public var container: String
   public var account: String
   public var startedAt: Date
+  /// When the kernel showed the mount; nil while the daemon is still mounting.
+  public var mountedAt: Date?
 
   public init(pid: Int32, mountpoint: String, container: String, account: String, startedAt: Date) {
     self.pid = pid
@@ -57,6 +59,20 @@ public struct DaemonRecord: Codable, Sendable {
     self.container = container
     self.account = account
     self.startedAt = startedAt
+  }
+
+  /// The daemon's mount was taken off its mount point behind its back (`fusermount3 -uz`,
+  /// `umount -l`) while files on it are still open: the daemon serves them until the last one
+  /// is closed, then ends.
+  public var isDetached: Bool { mountedAt != nil && !MountTable.isUbiqMount(mountpoint) }
+
+  /// How the daemon's mount stands, for a user: mounted (the kernel shows it), detached, or
+  /// still mounting.
+  public var mountSummary: String {
+    if MountTable.isUbiqMount(mountpoint) { return "mounted at \(mountpoint) (pid \(pid))" }
+    if mountedAt == nil { return "mounting at \(mountpoint) (pid \(pid))" }
+    return "detached from \(mountpoint) (unmounted lazily; pid \(pid) serves the files still open "
+      + "on it and ends when the last one is closed)"
   }
 
   public static func load(_ dir: URL) -> DaemonRecord? {

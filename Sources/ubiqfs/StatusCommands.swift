@@ -26,10 +26,19 @@ struct StatusCommand: ParsableCommand {
     var account: String
     var mountpoint: String?
     var pid: Int32?
+    /// True when the daemon's mount was detached behind its back (lazy unmount) and it serves
+    /// only the files still open on it.
+    var detached: Bool?
     /// Set when the daemon died without unmounting.
     var crashed: CrashedDaemon?
     var queue: QueueSummary
     var uploading: [UploadProgress]
+    /// The daemon's `DaemonRecord.mountSummary` (text output only).
+    var mountSummary: String?
+
+    enum CodingKeys: String, CodingKey {
+      case container, account, mountpoint, pid, detached, crashed, queue, uploading
+    }
   }
 
   func run() throws {
@@ -73,7 +82,8 @@ struct StatusCommand: ParsableCommand {
         reports.append(
           Report(
             container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
-            crashed: s.crashed, queue: summary, uploading: uploading))
+            detached: s.daemon.map(\.isDetached), crashed: s.crashed, queue: summary, uploading: uploading,
+            mountSummary: s.daemon?.mountSummary))
       }
       if json {
         let enc = JSONEncoder()
@@ -84,7 +94,7 @@ struct StatusCommand: ParsableCommand {
       if reports.isEmpty { print("no containers (nothing mounted yet)") }
       let now = Clock.nowNs()
       for r in reports {
-        let state = r.mountpoint.map { "mounted at \($0) (pid \(r.pid!))" } ?? r.crashed?.summary ?? "not mounted"
+        let state = r.mountSummary ?? r.crashed?.summary ?? "not mounted"
         print("\(r.container) [account \(r.account)]: \(state)")
         let q = r.queue
         if q.pendingItems == 0 && q.pendingDeletes == 0 {

@@ -83,6 +83,35 @@ def test_status_after_unmount_shows_container_not_mounted(ubiq):
     ubiq.mount()
 
 
+def test_status_tells_a_mount_detached_behind_the_daemons_back_while_a_file_is_open(ubiq):
+    write_file(ubiq.docs / "open.txt", "kept open")
+    ubiq.sync()
+    pid = ubiq.daemon_record()["pid"]
+    fd = os.open(ubiq.docs / "open.txt", os.O_RDONLY)
+    try:
+        subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], check=True)
+        assert str(ubiq.mnt) not in ubiq_mounts()
+        # The daemon still serves the open file; the mount point no longer shows it.
+        r = ubiq.status()[0]
+        assert r["pid"] == pid and r.get("detached") is True, r
+        text = ubiq.run("status").stdout
+        assert "detached" in text and "mounted at" not in text, text
+        # Mounting again says why it cannot, and how it ends.
+        cp = ubiq.run("mount", ubiq.container, ubiq.mnt, check=False)
+        assert_one_line_error(cp, "detached", "open")
+        assert os.read(fd, 100) == b"kept open"
+    finally:
+        os.close(fd)
+    # The last close ends the daemon; the container mounts again.
+    deadline = time.time() + 20
+    while ubiq.status()[0].get("pid") is not None:
+        assert time.time() < deadline, ubiq.status()
+        time.sleep(0.2)
+    assert "not mounted" in ubiq.run("status").stdout
+    ubiq.mount()
+    assert (ubiq.docs / "open.txt").read_text() == "kept open"
+
+
 def test_sync_wait_on_a_path(ubiq):
     (ubiq.docs / "sub").mkdir()
     write_file(ubiq.docs / "sub" / "x.txt", "x")
