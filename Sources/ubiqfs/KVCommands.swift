@@ -114,7 +114,8 @@ struct KVSet: ParsableCommand {
     commandName: "set",
     abstract: "Set a key to a JSON value (a bare word that is not JSON is stored as a string).")
   @Argument(help: "The key (at most 64 bytes UTF-8).") var key: String
-  @Argument(help: "The value as JSON: 42, \"text\", true, [1,2], {\"a\":1}.") var value: String?
+  @Argument(help: "The value as JSON: 42, \"text\", true, [1,2], {\"a\":1} (a negative number after --).")
+  var value: String?
   @Option(help: "Store this file's bytes as {\"$data\": \"<base64>\"}.") var data: String?
   @Option(help: .hidden) var timestamp: Int64?
   @OptionGroup var options: KVOptions
@@ -127,12 +128,42 @@ struct KVSet: ParsableCommand {
         let bytes = try Data(contentsOf: URL(fileURLWithPath: absolutePath(data)))
         v = .object(["$data": .string(bytes.base64EncodedString())])
       } else if let value {
-        v = (try? JSONDecoder().decode(JSONValue.self, from: Data(value.utf8))) ?? .string(value)
+        v = try Self.parse(value)
       } else {
         throw UbiqError.invalidArgument("give a VALUE or --data FILE")
       }
       let ctx = try KVContext.open(options)
       try kvWrite(ctx, key, v, timestamp)
+    }
+  }
+}
+
+extension KVSet {
+  /// The value as the user meant it: JSON when it parses, else a bare word as a string. A value
+  /// that looks like JSON and is not (an integer past 64 bits, which would become an inexact
+  /// double; an array, object or string that does not parse, or nests too deep) is refused
+  /// rather than stored as something else.
+  static func parse(_ text: String) throws -> JSONValue {
+    let trimmed = text.trimmingCharacters(in: .whitespacesAndNewlines)
+    if trimmed.wholeMatch(of: /-?(0|[1-9][0-9]*)/) != nil {
+      guard let i = Int64(trimmed) else {
+        throw UbiqError.invalidArgument(
+          "\(trimmed.prefix(40)) is outside the 64-bit integer range; give it as a JSON string to store it as text")
+      }
+      return .int(i)
+    }
+    do {
+      return try JSONDecoder().decode(JSONValue.self, from: Data(text.utf8))
+    } catch {
+      guard let first = trimmed.first, "[{\"".contains(first) else { return .string(text) }
+      var reason = "\(error)"
+      if case .dataCorrupted(let context) = error as? DecodingError {
+        reason =
+          (context.underlyingError as NSError?)?.userInfo[NSDebugDescriptionErrorKey] as? String
+          ?? context.debugDescription
+      }
+      reason = reason.replacingOccurrences(of: "\n", with: " ")
+      throw UbiqError.invalidArgument("not valid JSON (\(reason)); give it as a JSON string to store it as text")
     }
   }
 }
@@ -202,7 +233,12 @@ struct KVRemove: ParsableCommand {
 
 /// `ubiqfs kv ls`
 struct KVList: ParsableCommand {
-  static let configuration = CommandConfiguration(commandName: "ls", abstract: "List keys and values.")
+  static let configuration = CommandConfiguration(
+    commandName: "ls", abstract: "List keys and values.",
+    discussion: """
+      One line per key: KEY, a tab, the JSON value. A key with a control character (a tab, a line \
+      break) or that begins with a double quote is printed as a JSON string.
+      """)
   @Flag(help: "Print one JSON object of every key.") var json = false
   @OptionGroup var options: KVOptions
 
@@ -214,9 +250,18 @@ struct KVList: ParsableCommand {
       if json {
         print(try kvJSON(.object(all)))
       } else {
-        for k in all.keys.sorted() { print("\(k)\t\(try kvJSON(all[k]!))") }
+        for k in all.keys.sorted() { print("\(try Self.printable(k))\t\(try kvJSON(all[k]!))") }
       }
     }
+  }
+}
+
+extension KVList {
+  /// `key` as `ls` prints it: as it is, or as a JSON string where it could not be told from the
+  /// tab and line that frame it.
+  static func printable(_ key: String) throws -> String {
+    let plain = !key.hasPrefix("\"") && !key.unicodeScalars.contains { $0.properties.generalCategory == .control }
+    return plain ? key : try kvJSON(.string(key))
   }
 }
 

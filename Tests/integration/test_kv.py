@@ -88,6 +88,46 @@ def test_values_and_propagation(ubiq, peer):
     assert json.loads(kv(peer, "get", "other", "--container", "iCloud.other").stdout) == 1
 
 
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("123456789012345678901234567890", "64-bit"),
+        ("-99999999999999999999", "64-bit"),
+        ("[" * 600 + "]" * 600, "JSON"),
+        ("[1,", "JSON"),
+        ('{"a": 1', "JSON"),
+        ('"unterminated', "JSON"),
+    ],
+)
+def test_a_value_that_is_not_what_it_looks_like_is_refused_not_changed(ubiq, value, why):
+    # `--` ends the options: a negative number is a value, not an option.
+    cp = kv(ubiq, "set", "--", "k", value, check=False)
+    assert cp.returncode != 0, cp
+    err = cp.stderr.strip()
+    assert err.startswith("ubiqfs:") and "\n" not in err and why in err, err
+    assert get(ubiq, "k") is None
+    # The largest 64-bit integers and a quoted text stay exact.
+    kv(ubiq, "set", "max", "9223372036854775807")
+    kv(ubiq, "set", "--", "min", "-9223372036854775808")
+    kv(ubiq, "set", "text", json.dumps(value))
+    assert get(ubiq, "max") == 9223372036854775807 and get(ubiq, "min") == -9223372036854775808
+    assert get(ubiq, "text") == value
+
+
+def test_ls_quotes_keys_a_tab_or_line_break_would_make_ambiguous(ubiq):
+    kv(ubiq, "set", "a\tb", "1")
+    kv(ubiq, "set", "line\nbreak", "2")
+    kv(ubiq, "set", '"quoted', "3")
+    kv(ubiq, "set", "plain", "4")
+    lines = kv(ubiq, "ls").stdout.splitlines()
+    assert lines == ['"\\"quoted"\t3', '"a\\tb"\t1', '"line\\nbreak"\t2', "plain\t4"], lines
+    # Each line splits at its last tab into a key (JSON when quoted) and a JSON value.
+    for line in lines:
+        key, value = line.rsplit("\t", 1)
+        key = json.loads(key) if key.startswith('"') else key
+        assert get(ubiq, key) == json.loads(value)
+
+
 def test_last_writer_by_timestamp_wins(ubiq, peer):
     # The peer's write is newer (by its clock) although it reaches the cloud first.
     kv(peer, "set", "k", '"newer"', "--timestamp", now_ns() + 3600 * 10**9)
