@@ -23,6 +23,31 @@ public struct ServerLimits: Sendable {
   /// What one account may hold (containers, items) and the size of a change page.
   public var cloud = CloudLimits()
   public init() {}
+
+  /// Open files kept for the server's own use (databases, logs, the PostgreSQL and S3
+  /// connections) whatever the number of clients.
+  static let reservedOpenFiles = 64
+
+  /// The clients served at once with `openFiles` descriptors: each takes its connection's and
+  /// at most one more (a chunk file being read or written). The others wait in the listen
+  /// queue until one leaves; the server never accepts a connection it has no descriptor for
+  /// (accept's EMFILE would repeat at once, a core spent on nothing for as long as they wait).
+  static func connectionsServed(openFiles: Int) -> Int {
+    max(8, (openFiles - reservedOpenFiles) / 2)
+  }
+
+  /// Raises this process's open-files limit to its hard limit (a server is meant to serve many
+  /// clients; a shell's default soft limit is often 1024) and returns the limit in force.
+  static func raiseOpenFilesLimit() -> Int {
+    var limit = rlimit()
+    guard getrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1024 }
+    if limit.rlim_cur < limit.rlim_max {
+      var raised = limit
+      raised.rlim_cur = limit.rlim_max
+      if setrlimit(__rlimit_resource_t(RLIMIT_NOFILE.rawValue), &raised) == 0 { limit = raised }
+    }
+    return Int(clamping: min(limit.rlim_cur, rlim_t(Int.max / 4)))
+  }
 }
 
 /// The long-polls waiting per token, for `ServerLimits.maxLongPollsPerToken`.

@@ -67,7 +67,10 @@ public enum UbiqServer {
     let scheme = options.tls == nil ? "http" : "https"
     let metrics = ServerMetrics()
     metrics.bootstrap()
+    let openFiles = ServerLimits.raiseOpenFilesLimit()
+    let connections = ServerLimits.connectionsServed(openFiles: openFiles)
     logger.info("storage: \(options.storage.summary)")
+    logger.info("open files: \(openFiles); clients served at once: \(connections)")
     try await Backend.with(options.storage, logger: logger) { backend in
       let hub = ChangeHub(pollInterval: .milliseconds(options.limits.pollIntervalMs), logger: logger) {
         account, container in
@@ -77,7 +80,9 @@ public enum UbiqServer {
       let app = Application(
         router: router,
         server: server,
-        configuration: .init(address: .hostname(options.host, port: options.port), serverName: "ubiqfs"),
+        configuration: .init(
+          address: .hostname(options.host, port: options.port), serverName: "ubiqfs",
+          availableConnectionsDelegate: MaximumAvailableConnections(connections, logger: logger)),
         onServerRunning: { channel in
           let addr = channel.localAddress.map { "\($0.ipAddress ?? options.host):\($0.port ?? options.port)" }
           logger.notice("listening on \(scheme)://\(addr ?? "\(options.host):\(options.port)")")

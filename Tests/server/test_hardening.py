@@ -6,6 +6,7 @@ ever produce JSON 2xx/4xx answers while the server keeps serving. Also `ubiqfs s
 from __future__ import annotations
 
 import base64
+import os
 import json
 import random
 import sqlite3
@@ -236,6 +237,43 @@ def test_connections_that_send_nothing_are_closed_after_the_idle_timeout(storage
         assert time.time() - start < 10, "idle connections are closed"
         assert api.get("/healthz").status == 200
     finally:
+        srv.stop()
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_more_clients_than_open_files_allowed_wait_without_a_busy_accept_loop(storage, tmp_path):
+    """With its open-files limit low (`ulimit -n 128`) and 200 clients connected, the server
+    accepts what its limit leaves room for and lets the rest wait in the listen queue: it does
+    not spin on accept's EMFILE (a core busy for as long as the clients stay), and every
+    client is served once others leave."""
+    srv = ServerProcess(storage, tmp_path / "serve.log", open_files=128).start()
+    clients = []
+    try:
+        assert int(open(f"/proc/{srv.pid}/limits").read().split("Max open files")[1].split()[0]) == 128
+        for _ in range(200):
+            clients.append(socket.create_connection(("127.0.0.1", srv.port), timeout=30))
+        time.sleep(1)
+        before = _cpu_seconds(srv.pid)
+        time.sleep(3)
+        used = _cpu_seconds(srv.pid) - before
+        assert used < 0.5, f"the server used {used:.2f} s of CPU in 3 s with nothing to do"
+        # Every waiting client is served once it asks (the first ones close as they go).
+        for s in clients:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        for s in clients:
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            assert got.startswith(b"HTTP/1.1 200"), got[:100]
+            s.close()
+        assert Api(srv.url).get("/healthz").status == 200
+    finally:
+        for s in clients:
+            s.close()
         srv.stop()
 
 

@@ -308,8 +308,9 @@ class ServerProcess:
     `tls` is a TlsFiles (its CA verifies the server)."""
 
     def __init__(self, storage, log: Path, poll_interval_ms: int = 100, tls: "TlsFiles | None" = None,
-                 host: str = "127.0.0.1", extra: list[str] | tuple[str, ...] = ()):
+                 host: str = "127.0.0.1", extra: list[str] | tuple[str, ...] = (), open_files: int | None = None):
         self.storage = storage
+        self.open_files = open_files
         self.extra = list(extra)
         self.log = Path(log)
         self.port = free_port()
@@ -335,9 +336,16 @@ class ServerProcess:
             args += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key)]
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                         preexec_fn=self._limit_open_files if self.open_files else None)
         _wait(lambda: self._healthy(), 60, f"ubiqfs serve on {self.port}", self.proc, self.log)
         return self
+
+    def _limit_open_files(self) -> None:
+        """Runs in the child before exec: its open-files limit, soft and hard (`ulimit -n`)."""
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.open_files, self.open_files))
 
     def _healthy(self) -> bool:
         try:
