@@ -25,6 +25,8 @@ extension FilesystemCore {
         break
       }
       invalidate(inode, r.staleEntries)
+      // The folders whose entries changed have new times (`IndexStore.applyRemote`).
+      for folder in Set(r.staleEntries.map(\.0)) { invalidateAttributes(folder) }
     }
   }
 

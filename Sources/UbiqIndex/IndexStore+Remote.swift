@@ -89,6 +89,11 @@ extension IndexStore {
       r.itemID, r.changeSeq,
     ])
     let result = try Self.asRemote(db) { try self.applyRemote(db, r, uid: uid, gid: gid, collisions: collisions) }
+    // As a local create, unlink or rename does: a folder whose entries changed gets a new mtime
+    // and ctime (tools that skip a folder whose mtime has not moved must see the change). The
+    // folder is not queued: its time is this device's, as on any file system.
+    let now = clock.nowNs()
+    for folder in Set(result.staleEntries.map(\.0)) { try Self.touchDirectory(db, folder, now) }
     switch result.outcome {
     case .locallyModified:
       if holding { try Self.holdRemote(db, r) }

@@ -158,6 +158,38 @@ def test_second_device_sees_creates_edits_moves_and_deletes(ubiq, device2):
     wait_for(lambda: not (ubiq.docs / "notes" / "a.txt").exists(), what="delete on device 1")
 
 
+def test_a_folder_whose_entries_change_on_another_device_gets_a_new_mtime_here(ubiq, device2):
+    """As on ext4, a folder's mtime and ctime move when an entry is added, removed or renamed in
+    it, also when another device did it: tools that skip a folder whose mtime has not moved
+    (git's untracked cache, Python's import cache, make) see the change."""
+    here, there = ubiq.docs / "dm", device2.docs / "dm"
+    here.mkdir()
+    (here / "a").write_text("a")
+    wait_for(lambda: (there / "a").exists(), timeout=15, what="dm/a on device 2")
+    steps = [
+        ("created", lambda: (there / "new").write_text("n"), lambda: (here / "new").exists()),
+        ("removed", lambda: (there / "a").unlink(), lambda: not (here / "a").exists()),
+        ("renamed", lambda: (there / "new").rename(there / "renamed"), lambda: (here / "renamed").exists()),
+        ("moved out", lambda: (there / "renamed").rename(device2.docs / "out"), lambda: not (here / "renamed").exists()),
+    ]
+    for what, change, arrived in steps:
+        before = os.stat(here)
+        time.sleep(0.05)
+        change()
+        wait_for(arrived, timeout=15, what=f"an entry {what} on device 2 to arrive")
+        after = os.stat(here)
+        assert after.st_mtime_ns > before.st_mtime_ns, f"{what}: mtime stayed {before.st_mtime_ns}"
+        assert after.st_ctime_ns > before.st_ctime_ns, f"{what}: ctime stayed {before.st_ctime_ns}"
+    # The folder moved out of gets it too; a content edit moves no folder's time.
+    out_before = os.stat(ubiq.docs).st_mtime_ns
+    wait_for(lambda: (ubiq.docs / "out").exists(), timeout=15, what="out on device 1")
+    assert os.stat(ubiq.docs).st_mtime_ns >= out_before
+    settled = os.stat(ubiq.docs).st_mtime_ns
+    (device2.docs / "out").write_text("edited")
+    wait_for(lambda: (ubiq.docs / "out").read_text() == "edited", timeout=15, what="the edit on device 1")
+    assert os.stat(ubiq.docs).st_mtime_ns == settled
+
+
 def test_an_empty_file_from_another_device_renamed_before_it_is_opened_uploads(ubiq, device2):
     """`touch` on one device, `mv` on the other: an empty file arrives with no cache file, and
     the rename's upload must not wait for one."""
