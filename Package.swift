@@ -27,6 +27,8 @@ let package = Package(
   ],
   targets: [
     .systemLibrary(name: "CFuse3", pkgConfig: "fuse3", providers: [.apt(["libfuse3-dev"])]),
+    // Linux calls that Swift's Glibc module does not show.
+    .target(name: "CLinux"),
     .target(
       name: "UbiqCore",
       dependencies: [.product(name: "Crypto", package: "swift-crypto")]),
@@ -102,7 +104,7 @@ let package = Package(
     .target(
       name: "UbiqFSCore",
       dependencies: [
-        "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqSync",
+        "CLinux", "UbiqCore", "UbiqIndex", "UbiqCloudAPI", "UbiqSync",
         .product(name: "Logging", package: "swift-log"),
       ]),
     // The thin FUSE adapter over UbiqFSCore and the libfuse session.

@@ -1,3 +1,4 @@
+import CLinux
 import Foundation
 import Logging
 import UbiqCloudAPI
@@ -714,12 +715,28 @@ public final class FilesystemCore: @unchecked Sendable {
     if lastOfUnlinked { forgetContent(f.inode) }
   }
 
+  /// Linux's FALLOC_FL_KEEP_SIZE: reserve space, keep the size.
+  static let fallocateKeepSize: Int32 = 0x01
+
+  /// fallocate modes 0 (allocate, growing the file) and keep-size; the others (punch hole,
+  /// zero range, collapse, insert) are not supported (EOPNOTSUPP).
   public func fallocate(_ handle: UInt64, mode: Int32, offset: Int64, length: Int64) throws {
     let f = try openHandle(handle)
-    guard mode == 0 else { throw UbiqError.notSupported("fallocate mode \(mode)") }
+    guard mode == 0 || mode == Self.fallocateKeepSize else {
+      throw UbiqError.notSupported("fallocate mode \(mode)")
+    }
     let (end, overflow) = offset.addingReportingOverflow(length)
     guard offset >= 0, length > 0 else { throw UbiqError.invalidArgument("fallocate range") }
     guard !overflow, end <= Self.maxFileSize else { throw UbiqError.fileTooLarge("fallocate past 16 TiB") }
+    if mode == Self.fallocateKeepSize {
+      // Space reserved in the cache file (rsync --preallocate); the size and the bytes stay, so
+      // there is no change to record.
+      try f.withWrite {
+        let r = ubiq_fallocate_keep_size(try descriptor(f), offset, length)
+        if r != 0 { throw UbiqError.posix(r, "fallocate") }
+      }
+      return
+    }
     try f.withWrite {
       try beginWrite(f)
       let r = posix_fallocate(try descriptor(f), off_t(offset), off_t(length))

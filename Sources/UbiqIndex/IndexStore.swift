@@ -508,11 +508,21 @@ public final class IndexStore: @unchecked Sendable {
   ) throws -> ItemRow {
     try ItemName.validate(name)
     return try write { db in
-      guard let p = try Row.fetchOne(db.cached("SELECT kind, name FROM items WHERE id = ?"), arguments: [parent]) else {
+      guard
+        let p = try Row.fetchOne(
+          db.cached("SELECT kind, name, mode, gid FROM items WHERE id = ?"), arguments: [parent])
+      else {
         throw UbiqError.notFound("parent \(parent)")
       }
       guard ItemKind(rawValue: p["kind"]) == .directory else { throw UbiqError.notDirectory(p["name"]) }
       if try Self.childID(db, parent, name) != nil { throw UbiqError.exists(name) }
+      // As on ext4: in a folder with the set-group-id bit, a new item takes the folder's group,
+      // and a new folder the bit too.
+      var (mode, gid) = (mode, gid)
+      if (p["mode"] as UInt32) & UInt32(S_ISGID) != 0 {
+        gid = p["gid"]
+        if kind == .directory { mode |= UInt32(S_ISGID) }
+      }
       let now = self.clock.nowNs()
       var row = ItemRow(
         itemID: identifiers.next(), parent: parent, name: name, kind: kind, mode: mode, uid: uid, gid: gid,

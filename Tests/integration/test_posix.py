@@ -139,6 +139,41 @@ def test_fsync_and_fallocate(ubiq):
     assert read_file(p)[:4] == b"data"
 
 
+def test_fallocate_keep_size_reserves_without_growing_and_rsync_preallocate_is_quiet(ubiq, tmp_path):
+    p = ubiq.docs / "kept.txt"
+    p.write_bytes(b"abc\n")
+    cp = subprocess.run(["fallocate", "-n", "-l", "1M", str(p)], capture_output=True, text=True)
+    assert cp.returncode == 0, cp.stderr
+    assert os.stat(p).st_size == 4 and read_file(p) == b"abc\n"
+    # Other modes stay unsupported, with the errno ext4 gives for a mode it lacks.
+    cp = subprocess.run(["fallocate", "--punch-hole", "-o", "0", "-l", "2", str(p)], capture_output=True, text=True)
+    assert cp.returncode != 0 and "unsupported" in cp.stderr, cp
+    assert read_file(p) == b"abc\n"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 100_000)
+    cp = subprocess.run(["rsync", "-a", "--preallocate", f"{src}/", f"{ubiq.docs / 'pre'}/"], capture_output=True, text=True)
+    assert cp.returncode == 0 and cp.stderr == "", cp.stderr
+    assert read_file(ubiq.docs / "pre" / "f") == b"x" * 100_000
+
+
+def test_a_setgid_folder_gives_new_items_its_group_and_new_folders_the_bit(ubiq):
+    d = ubiq.docs / "shared"
+    d.mkdir()
+    os.chown(d, -1, 1)  # group daemon (gid 1), not root's
+    os.chmod(d, 0o2775)
+    (d / "f").write_text("f")
+    (d / "sub").mkdir()
+    os.symlink("f", d / "link")
+    assert os.stat(d / "f").st_gid == 1 and not os.stat(d / "f").st_mode & stat.S_ISGID
+    assert os.stat(d / "sub").st_gid == 1 and os.stat(d / "sub").st_mode & stat.S_ISGID
+    assert os.lstat(d / "link").st_gid == 1
+    # Without the bit, the creator's group, as on ext4.
+    os.chmod(d, 0o775)
+    (d / "g").write_text("g")
+    assert os.stat(d / "g").st_gid == os.getgid()
+
+
 def test_chmod(ubiq):
     p = ubiq.docs / "script.sh"
     write_file(p, "#!/bin/sh\necho ran\n")
