@@ -694,14 +694,19 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Queues (or re-arms) the upload of an item, unless it is local-only. A re-armed entry
   /// sends a version nobody has tried yet: the error of the last attempt goes with it (an entry
-  /// still marked `EINVAL` would count as a move the cloud refused).
+  /// still marked `EINVAL` would count as a move the cloud refused). A re-armed entry waits the
+  /// upload delay again (changes in quick succession go as one), except a folder not yet in
+  /// the cloud: it keeps the time it was due, so it goes before the items made in it since
+  /// (rsync sets a folder's times after filling it), which the cloud refuses until it is there.
   func enqueue(_ db: Database, _ inode: Int64) throws {
     if try Self.isLocalOnly(db, inode) { return }
     let now = self.clock.nowNs()
     try db.cached(
       """
       INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
-      ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs, nextAttemptNs = excluded.nextAttemptNs,
+      ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs,
+        nextAttemptNs = CASE WHEN (SELECT kind = 2 AND etag IS NULL FROM items WHERE id = excluded.item)
+          THEN min(nextAttemptNs, excluded.nextAttemptNs) ELSE excluded.nextAttemptNs END,
         lastError = NULL, lastErrno = NULL
       """
     ).execute(arguments: [inode, now, now + uploadDelayNs])

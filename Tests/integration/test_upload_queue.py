@@ -89,6 +89,28 @@ def test_metadata_past_the_quota_keeps_the_change_local_then_uploads(ubiq):
     assert f.read_bytes() == b"small"
 
 
+def test_a_new_folder_changed_after_its_files_were_made_uploads_before_them(ubiq):
+    """rsync -a makes a folder, fills it, then sets the folder's times: the change of a folder
+    not yet in the cloud must not send it behind its files, which the cloud would refuse until
+    it arrives (`bad parent`, retried with backoff)."""
+    ubiq.remount("--upload-delay-ms", "1500")
+    start = len(ubiq.daemon_log())
+    (ubiq.docs / "tree").mkdir()
+    for i in range(3):
+        (ubiq.docs / "tree" / f"f{i}").write_text(f"f{i}")
+    time.sleep(0.7)
+    os.utime(ubiq.docs / "tree", (1_000_000_000, 1_000_000_000))
+    os.chmod(ubiq.docs / "tree", 0o750)
+    # The files are due now, the folder (changed since) not yet.
+    time.sleep(1.2)
+    cp = ubiq.run("sync", "--wait", "--timeout", "60")
+    assert "bad parent" not in cp.stderr, cp.stderr
+    log = ubiq.daemon_log()[start:]
+    assert "bad parent" not in log, log[-2000:]
+    assert ubiq.xattr(ubiq.docs / "tree" / "f0", "user.ubiq.uploaded") == "1"
+    assert os.stat(ubiq.docs / "tree").st_mtime == 1_000_000_000
+
+
 def test_repeated_saves_coalesce_into_newest(ubiq):
     ubiq.unmount()
     ubiq.mount("--upload-delay-ms", "1500")
