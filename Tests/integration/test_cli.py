@@ -288,6 +288,15 @@ def test_status_and_sync_outside_a_mount(ubiq, tmp_path):
     ubiq.mount()
 
 
+def test_a_path_in_a_mount_of_another_state_folder_is_named_as_such(ubiq, tmp_path):
+    write_file(ubiq.docs / "a.txt", "a")
+    env = dict(ubiq.env, UBIQFS_STATE_DIR=str(tmp_path / "other-state"))
+    cp = subprocess.run([conftest.UBIQFS_BIN, "sync", "--wait", str(ubiq.docs / "a.txt")], env=env,
+                        capture_output=True, text=True, timeout=60)
+    assert_one_line_error(cp, "another state folder", "--state-dir")
+    assert "not inside a ubiqfs mount" not in cp.stderr
+
+
 @pytest.mark.parametrize("command", ["download", "evict", "pin", "unpin"])
 def test_content_commands_outside_a_mount_touch_nothing(ubiq, tmp_path, command):
     """A content command given a folder that is not in a mount (here, on the tests' own disk)
