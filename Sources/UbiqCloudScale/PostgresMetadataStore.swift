@@ -166,17 +166,20 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   /// Runs `body` in a transaction on one pooled connection; the body's own errors are rethrown
   /// unchanged (after ROLLBACK), so typed `CloudError`s reach the caller.
   func transaction<T>(_ body: (PostgresConnection) async throws -> T) async throws -> T {
-    try await mapErrors {
-      try await client.withConnection { conn in
-        try await conn.query("BEGIN", logger: log)
-        do {
-          let value = try await body(conn)
-          try await conn.query("COMMIT", logger: log)
-          return value
-        } catch {
-          _ = try? await conn.query("ROLLBACK", logger: log)
-          throw error
-        }
+    try await mapErrors { try await unmappedTransaction(body) }
+  }
+
+  /// `transaction` with PostgreSQL's errors as they are (`PSQLError`, with its SQLSTATE).
+  func unmappedTransaction<T>(_ body: (PostgresConnection) async throws -> T) async throws -> T {
+    try await client.withConnection { conn in
+      try await conn.query("BEGIN", logger: log)
+      do {
+        let value = try await body(conn)
+        try await conn.query("COMMIT", logger: log)
+        return value
+      } catch {
+        _ = try? await conn.query("ROLLBACK", logger: log)
+        throw error
       }
     }
   }
@@ -214,24 +217,17 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     var attempt = 0
     while true {
       do {
-        try await client.withConnection { conn in
-          try await conn.query("BEGIN", logger: log)
-          do {
-            try await conn.query("SET LOCAL lock_timeout = '5s'", logger: log)
-            try await conn.query("SELECT pg_advisory_xact_lock(7400105)", logger: log)
-            for statement in Self.schema {
-              try await conn.query(PostgresQuery(unsafeSQL: statement), logger: log)
-            }
-            try await conn.query(
-              """
-              INSERT INTO schema_version(id, digest) VALUES (1, \(Self.schemaDigest))
-              ON CONFLICT (id) DO UPDATE SET digest = EXCLUDED.digest
-              """, logger: log)
-            try await conn.query("COMMIT", logger: log)
-          } catch {
-            _ = try? await conn.query("ROLLBACK", logger: log)
-            throw error
+        try await unmappedTransaction { conn in
+          try await conn.query("SET LOCAL lock_timeout = '5s'", logger: log)
+          try await conn.query("SELECT pg_advisory_xact_lock(7400105)", logger: log)
+          for statement in Self.schema {
+            try await conn.query(PostgresQuery(unsafeSQL: statement), logger: log)
           }
+          try await conn.query(
+            """
+            INSERT INTO schema_version(id, digest) VALUES (1, \(Self.schemaDigest))
+            ON CONFLICT (id) DO UPDATE SET digest = EXCLUDED.digest
+            """, logger: log)
         }
         return
       } catch let e as PSQLError where Self.lostToOtherTransactions(e) && attempt < 12 {
