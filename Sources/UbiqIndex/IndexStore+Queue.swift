@@ -202,11 +202,16 @@ extension IndexStore {
     if row.revision == revision && !placeOnly {
       try db.cached("DELETE FROM uploadQueue WHERE seq = ?").execute(arguments: [seq])
     } else {
-      // The stored version is now the base: no earlier commit of the entry is unanswered.
+      // The stored version is now the base: no earlier commit of the entry is unanswered. The
+      // changes made since wait from now.
       try db.cached(
-        "UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL, sentPlaces = NULL WHERE seq = ?"
+        """
+        UPDATE uploadQueue SET attempts = 0, lastError = NULL, lastErrno = NULL, sentPlaces = NULL,
+          waitingSinceNs = ?
+        WHERE seq = ?
+        """
       )
-      .execute(arguments: [seq])
+      .execute(arguments: [self.clock.nowNs(), seq])
     }
   }
 
@@ -337,11 +342,13 @@ extension IndexStore {
       }
       let attempts: Int = row["attempts"]
       let backoff = min(maxBackoffNs, Int64(1_000_000_000) << Int64(min(max(attempts, 0), 20)))
+      let now = self.clock.nowNs()
       try db.execute(
         sql: """
-          UPDATE uploadQueue SET attempts = attempts + 1, lastError = ?, lastErrno = ?, nextAttemptNs = ?
+          UPDATE uploadQueue SET attempts = attempts + 1, lastError = ?, lastErrno = ?, nextAttemptNs = ?,
+            waitingSinceNs = ?
           WHERE seq = ?
-          """, arguments: [error, errno, self.clock.nowNs() + backoff, seq])
+          """, arguments: [error, errno, now + backoff, now, seq])
       return true
     }
   }

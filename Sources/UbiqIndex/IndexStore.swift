@@ -261,6 +261,12 @@ public final class IndexStore: @unchecked Sendable {
           BEGIN SELECT RAISE(ABORT, 'tree rule: a folder with items cannot be deleted'); END;
           """)
     }
+    // Since when an entry has waited without an attempt: its changes in quick succession go as
+    // one, but not past `maxCoalescingNs` after this (`enqueue`).
+    m.registerMigration("v21-waiting-since") { db in
+      try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN waitingSinceNs INTEGER")
+      try db.execute(sql: "UPDATE uploadQueue SET waitingSinceNs = enqueuedNs")
+    }
     return m
   }
 
@@ -695,22 +701,29 @@ public final class IndexStore: @unchecked Sendable {
   /// Queues (or re-arms) the upload of an item, unless it is local-only. A re-armed entry
   /// sends a version nobody has tried yet: the error of the last attempt goes with it (an entry
   /// still marked `EINVAL` would count as a move the cloud refused). A re-armed entry waits the
-  /// upload delay again (changes in quick succession go as one), except a folder not yet in
-  /// the cloud: it keeps the time it was due, so it goes before the items made in it since
-  /// (rsync sets a folder's times after filling it), which the cloud refuses until it is there.
+  /// upload delay again, so changes in quick succession go as one, but never past
+  /// `maxCoalescingNs` after it began to wait (`waitingSinceNs`: queued, or last tried): a log
+  /// closed every 200 ms is uploaded every few seconds, not once it stops. A folder not yet in
+  /// the cloud keeps the time it was due, so it goes before the items made in it since (rsync
+  /// sets a folder's times after filling it), which the cloud refuses until it is there.
   func enqueue(_ db: Database, _ inode: Int64) throws {
     if try Self.isLocalOnly(db, inode) { return }
     let now = self.clock.nowNs()
     try db.cached(
       """
-      INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs) VALUES (?, ?, ?)
+      INSERT INTO uploadQueue(item, enqueuedNs, nextAttemptNs, waitingSinceNs) VALUES (?, ?, ?, ?)
       ON CONFLICT(item) DO UPDATE SET enqueuedNs = excluded.enqueuedNs,
         nextAttemptNs = CASE WHEN (SELECT kind = 2 AND etag IS NULL FROM items WHERE id = excluded.item)
-          THEN min(nextAttemptNs, excluded.nextAttemptNs) ELSE excluded.nextAttemptNs END,
+          THEN min(nextAttemptNs, excluded.nextAttemptNs)
+          ELSE min(excluded.nextAttemptNs, coalesce(waitingSinceNs, enqueuedNs) + ?) END,
         lastError = NULL, lastErrno = NULL
       """
-    ).execute(arguments: [inode, now, now + uploadDelayNs])
+    ).execute(arguments: [inode, now, now + uploadDelayNs, now, maxCoalescingNs])
   }
+
+  /// The longest a changed item's upload waits for its changes to stop: the upload delay, and
+  /// at least 5 s.
+  var maxCoalescingNs: Int64 { max(uploadDelayNs, 5_000_000_000) }
 
   /// Queues every item of a subtree (used when an item stops being local-only).
   func enqueueSubtree(_ db: Database, _ inode: Int64) throws {

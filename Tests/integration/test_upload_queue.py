@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import subprocess
+import threading
 import time
 
 from conftest import Ubiq, daemons_for_state, ubiq_mounts
@@ -109,6 +110,43 @@ def test_a_new_folder_changed_after_its_files_were_made_uploads_before_them(ubiq
     assert "bad parent" not in log, log[-2000:]
     assert ubiq.xattr(ubiq.docs / "tree" / "f0", "user.ubiq.uploaded") == "1"
     assert os.stat(ubiq.docs / "tree").st_mtime == 1_000_000_000
+
+
+def test_a_file_closed_again_and_again_is_uploaded_while_it_goes_on(ubiq):
+    """Each close of a log written by open-append-close waits the upload delay again, so that
+    changes in quick succession go as one; but not for ever: a file that keeps changing is
+    uploaded every few seconds, so the cloud (and every other device) is never far behind."""
+    ubiq.remount("--upload-delay-ms", "1000")
+    log = ubiq.docs / "app.log"
+    stop = threading.Event()
+
+    def writer():
+        i = 0
+        while not stop.is_set():
+            with open(log, "a") as f:
+                f.write(f"line {i}\n")
+            i += 1
+            time.sleep(0.2)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        etags = set()
+        deadline = time.time() + 20
+        while len(etags) < 2:
+            assert time.time() < deadline, f"uploaded versions while writing: {etags}"
+            try:
+                etag = ubiq.xattr(log, "user.ubiq.etag")
+            except OSError:
+                etag = ""
+            if etag:
+                etags.add(etag)
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        t.join()
+    ubiq.sync()
+    assert ubiq.xattr(log, "user.ubiq.uploaded") == "1"
 
 
 def test_repeated_saves_coalesce_into_newest(ubiq):
