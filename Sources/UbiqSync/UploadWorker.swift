@@ -799,11 +799,12 @@ public final class UploadWorker: @unchecked Sendable {
     }
     // Only a name this device's sync chose differs from the base: the version says so, so that
     // a delete based on the base still wins over it (`settledNameOf`). Any other difference
-    // from the base (place, mode, mtime, content, extended attributes, symlink target,
-    // conflict versions) leaves it unset.
+    // from the base (place, mode, a file's mtime, content, extended attributes, symlink target,
+    // conflict versions) leaves it unset. A folder's mtime is no user's change here: it moves
+    // with the folder's entries on each device, those other devices add included.
     if snap.automaticRename, let etag = row.etag, let base = row.baseItem, !base.deleted, base.etag == etag,
       base.itemID == local.itemID, base.parentID == local.parentID, base.kind == local.kind,
-      base.mode == local.mode, base.mtimeNs == local.mtimeNs, base.size == local.size,
+      base.mode == local.mode, local.kind == .directory || base.mtimeNs == local.mtimeNs, base.size == local.size,
       base.chunks == local.chunks, base.xattrs == local.xattrs, base.symlinkTarget == local.symlinkTarget,
       (base.conflicts ?? []) == (local.conflicts ?? [])
     {

@@ -1711,6 +1711,17 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 1 keeps folder d for the folder it made in it, which device 0 did not see when it
+    // removed d and made a new d/e; device 1 settles the two names d as d and "d 2". Its commit
+    // of "d 2" must say it only settles a name, although the folder's mtime moved here when its
+    // entry e arrived: a folder's time is each device's own. Then device 0's removal of the new
+    // d meets "d 2" and wins (found by the folder soak, seed
+    // Dl6k+8y1r2CKII+xzi7zrxx5xjxtBO9Ruy0RXz0/Log=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 17, 4, 2, 0), (0, 25, 2, 2, 5678), (0, 17, 7, 2, 0), (0, 25, 2, 2, 0), (1, 8, 2, 2, 0),
+      (0, 4, 2, 2, 0), (1, 25, 2, 2, 0),
+    ],
     // Device 2's edit of f meets device 1's and is kept as f's conflict version; device 0 pulls
     // f with it, then renames f over d, which device 0 had edited while device 2's edit of d
     // waited (held). d's upload meets device 2's version of d and merges: the merge kept the
