@@ -191,6 +191,12 @@ struct SyncCommand: ParsableCommand {
           for f in summary.failing where !reported.contains(f.path + f.error) {
             reported.insert(f.path + f.error)
             printer.clearLine()
+            // The server signed this device out (a revoked or expired token): no retry helps
+            // until the user signs in again, so the wait ends here.
+            if f.errno == EACCES && f.error.hasPrefix("not signed in") {
+              throw UbiqError.accessDenied(
+                "\(f.error); sign in again with 'ubiqfs account login' (changes stay queued here)")
+            }
             eprint("ubiqfs: still trying: \(f.path): \(f.error)")
           }
         }

@@ -149,3 +149,26 @@ def test_signout_refuses_while_uploads_pending_unless_discard(ubiq):
     ubiq.run("account", "logout", "--discard")
     assert str(ubiq.mnt) not in conftest.ubiq_mounts()
     assert not (ubiq.state / "accounts").exists() or not any((ubiq.state / "accounts").iterdir())
+
+
+def test_sync_wait_stops_with_one_line_when_the_server_signed_the_device_out(ubiq):
+    """A revoked token is no network error: `sync --wait` says at once that the device must sign
+    in again, instead of waiting for its timeout; the change stays queued here, nothing lost."""
+    import ubiqstack
+
+    (ubiq.docs / "before.txt").write_text("before\n")
+    ubiq.sync()
+    acct = conftest._cloud_account(ubiq.cloud_key)
+    ubiqstack.run_cli(
+        "server", "token", "revoke", acct.name, "--device", f"dev-{ubiq.root.name}", *acct.storage.args(),
+        env_extra=acct.storage.env(),
+    )
+    (ubiq.docs / "after.txt").write_text("after\n")
+    started = time.time()
+    cp = ubiq.run("sync", "--wait", "--timeout", "60", check=False)
+    assert cp.returncode != 0 and time.time() - started < 30, cp
+    last = cp.stderr.strip().splitlines()[-1]
+    assert last.startswith("ubiqfs:") and "not signed in" in last and "account login" in last, cp.stderr
+    assert (ubiq.docs / "after.txt").read_text() == "after\n"
+    assert ubiq.xattr(ubiq.docs / "after.txt", "user.ubiq.uploaded") == "0"
+    assert "not signed in" in ubiq.xattr(ubiq.docs / "after.txt", "user.ubiq.upload_error")
