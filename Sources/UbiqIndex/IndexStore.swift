@@ -263,9 +263,9 @@ public final class IndexStore: @unchecked Sendable {
     }
     // Since when an entry has waited without an attempt: its changes in quick succession go as
     // one, but not past `maxCoalescingNs` after this (`enqueue`).
+    // (An entry queued before it has none: it counts from its `enqueuedNs`.)
     m.registerMigration("v21-waiting-since") { db in
       try db.execute(sql: "ALTER TABLE uploadQueue ADD COLUMN waitingSinceNs INTEGER")
-      try db.execute(sql: "UPDATE uploadQueue SET waitingSinceNs = enqueuedNs")
     }
     return m
   }
