@@ -257,6 +257,9 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
   /// A limit of the service (containers per account, items per container) would be exceeded.
   case limitExceeded(String)
 
+  /// How `unauthorized` begins its description (what a failed upload records as its error).
+  public static let notSignedIn = "not signed in"
+
   public var description: String {
     switch self {
     case .conflict(let c): return "conflict: server has etag \(c.etag) for \(c.itemID)"
@@ -267,7 +270,7 @@ public enum CloudError: Error, CustomStringConvertible, Sendable {
     case .invalid(let m): return "invalid request: \(m)"
     case .unavailable(let m): return "cloud unavailable: \(m)"
     case .exists(let m): return "already exists: \(m)"
-    case .unauthorized(let m): return "not signed in: \(m)"
+    case .unauthorized(let m): return "\(Self.notSignedIn): \(m)"
     case .invalidID(let m): return "invalid identifier: \(m)"
     case .badParent(let m): return "bad parent: \(m)"
     case .cycle(let m): return "cycle: \(m)"

@@ -259,7 +259,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   }
 
   /// The digest of `schema`: what a database that has it records in `schema_version`.
-  static let schemaDigest = SigV4Signer.sha256Hex(Data(schema.joined(separator: ";\n").utf8))
+  static let schemaDigest = Chunker.sha256Hex(Data(schema.joined(separator: ";\n").utf8))
 
   static let schema = [
     "CREATE TABLE IF NOT EXISTS schema_version(id INT PRIMARY KEY CHECK (id = 1), digest TEXT NOT NULL)",

@@ -42,7 +42,7 @@ public struct ContainerState {
       if let crash = states.compactMap(\.crashed).first(where: { holds($0.mountpoint) }) {
         throw MountPointError.daemonCrashed(crash)
       }
-      if MountTable.fileSystemType(holding: abs) == "fuse.ubiqfs" {
+      if MountTable.isInsideUbiqMount(abs) {
         throw UbiqError.invalidArgument(
           "\(abs) is in a ubiqfs mount of another state folder than \(paths.stateRoot.path); "
             + "give that mount's --state-dir (or UBIQFS_STATE_DIR)")

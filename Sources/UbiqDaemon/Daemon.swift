@@ -56,8 +56,8 @@ public final class Daemon {
     let lockFD = open(dir.appendingPathComponent("lock").path, O_RDWR | O_CREAT | O_CLOEXEC, 0o600)
     guard lockFD >= 0, flock(lockFD, LOCK_EX | LOCK_NB) == 0 else {
       let holder = DaemonRecord.load(dir)
-      if let holder, holder.isDetached {
-        throw UbiqError.busy("container \(container) is still \(holder.mountSummary)")
+      if let holder, case let state = holder.mountState, state == .detached {
+        throw UbiqError.busy("container \(container) is still \(holder.summary(of: state))")
       }
       let at = holder.map { " at \($0.mountpoint) (pid \($0.pid))" } ?? ""
       throw UbiqError.busy("container \(container) is already mounted\(at); see 'ubiqfs status'")

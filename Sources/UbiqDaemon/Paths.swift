@@ -61,18 +61,33 @@ public struct DaemonRecord: Codable, Sendable {
     self.startedAt = startedAt
   }
 
-  /// The daemon's mount was taken off its mount point behind its back (`fusermount3 -uz`,
-  /// `umount -l`) while files on it are still open: the daemon serves them until the last one
-  /// is closed, then ends.
-  public var isDetached: Bool { mountedAt != nil && !MountTable.isUbiqMount(mountpoint) }
+  /// How a running daemon's mount stands.
+  public enum MountState: Sendable {
+    /// The kernel shows it at its mount point.
+    case mounted
+    /// Not yet shown: the daemon is still mounting.
+    case mounting
+    /// Taken off its mount point behind the daemon's back (`fusermount3 -uz`, `umount -l`)
+    /// while files on it are still open: the daemon serves them until the last one is closed,
+    /// then ends.
+    case detached
+  }
 
-  /// How the daemon's mount stands, for a user: mounted (the kernel shows it), detached, or
-  /// still mounting.
-  public var mountSummary: String {
-    if MountTable.isUbiqMount(mountpoint) { return "mounted at \(mountpoint) (pid \(pid))" }
-    if mountedAt == nil { return "mounting at \(mountpoint) (pid \(pid))" }
-    return "detached from \(mountpoint) (unmounted lazily; pid \(pid) serves the files still open "
-      + "on it and ends when the last one is closed)"
+  /// The mount's state, from the mount table (read once).
+  public var mountState: MountState {
+    if MountTable.isUbiqMount(mountpoint) { return .mounted }
+    return mountedAt == nil ? .mounting : .detached
+  }
+
+  /// `state` (this record's `mountState`) for a user.
+  public func summary(of state: MountState) -> String {
+    switch state {
+    case .mounted: return "mounted at \(mountpoint) (pid \(pid))"
+    case .mounting: return "mounting at \(mountpoint) (pid \(pid))"
+    case .detached:
+      return "detached from \(mountpoint) (unmounted lazily; pid \(pid) serves the files still open "
+        + "on it and ends when the last one is closed)"
+    }
   }
 
   public static func load(_ dir: URL) -> DaemonRecord? {
@@ -152,6 +167,9 @@ public enum MountTable {
     }
     return best?.fstype
   }
+
+  /// Whether `path` (absolute, no symlinks) is held by a ubiqfs mount.
+  public static func isInsideUbiqMount(_ path: String) -> Bool { fileSystemType(holding: path) == "fuse.ubiqfs" }
 
   public static func isUbiqMount(_ path: String) -> Bool {
     entries().contains { $0.mountpoint == path && $0.fstype == "fuse.ubiqfs" }

@@ -26,7 +26,7 @@ extension FilesystemCore {
       }
       invalidate(inode, r.staleEntries)
       // The folders whose entries changed have new times (`IndexStore.applyRemote`).
-      for folder in Set(r.staleEntries.map(\.0)) { invalidateAttributes(folder) }
+      for folder in r.foldersWithChangedEntries { invalidateAttributes(folder) }
     }
   }
 

@@ -21,6 +21,8 @@ public struct RemoteApplyResult: Sendable {
   public var inode: Int64?
   /// (parent inode, name) entries the kernel may have cached and must forget.
   public var staleEntries: [(Int64, String)] = []
+  /// The folders whose entries changed (added, removed, renamed): they get new times.
+  public var foldersWithChangedEntries: Set<Int64> { Set(staleEntries.map(\.0)) }
   /// The row a `deleted` outcome removed (a handle may still hold its file open).
   public var removed: ItemRow?
   public init(
@@ -93,7 +95,7 @@ extension IndexStore {
     // and ctime (tools that skip a folder whose mtime has not moved must see the change). The
     // folder is not queued: its time is this device's, as on any file system.
     let now = clock.nowNs()
-    for folder in Set(result.staleEntries.map(\.0)) { try Self.touchDirectory(db, folder, now) }
+    for folder in result.foldersWithChangedEntries { try Self.touchDirectory(db, folder, now) }
     switch result.outcome {
     case .locallyModified:
       if holding { try Self.holdRemote(db, r) }

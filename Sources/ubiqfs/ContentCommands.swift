@@ -69,7 +69,7 @@ enum ContentAction: String, CaseIterable, Sendable {
       defer { free(p) }
       return String(cString: p)
     }
-    guard let resolved, MountTable.fileSystemType(holding: resolved) == "fuse.ubiqfs",
+    guard let resolved, MountTable.isInsideUbiqMount(resolved),
       get(path, "user.ubiq.container") != nil
     else {
       throw UbiqError.invalidArgument("\(path) is not inside a ubiqfs mount (see 'ubiqfs status' for mounts)")

@@ -1,5 +1,6 @@
 import ArgumentParser
 import Foundation
+import UbiqCloudAPI
 import UbiqCore
 import UbiqDaemon
 import UbiqIndex
@@ -33,7 +34,7 @@ struct StatusCommand: ParsableCommand {
     var crashed: CrashedDaemon?
     var queue: QueueSummary
     var uploading: [UploadProgress]
-    /// The daemon's `DaemonRecord.mountSummary` (text output only).
+    /// The daemon's mount state for a user (`DaemonRecord.summary(of:)`; text output only).
     var mountSummary: String?
 
     enum CodingKeys: String, CodingKey {
@@ -79,11 +80,12 @@ struct StatusCommand: ParsableCommand {
             (try? index.queueEntry(forInode: $0.inode)) != nil
           }
         }
+        let mount = s.daemon.map { ($0, $0.mountState) }
         reports.append(
           Report(
             container: s.container, account: s.account, mountpoint: s.daemon?.mountpoint, pid: s.daemon?.pid,
-            detached: s.daemon.map(\.isDetached), crashed: s.crashed, queue: summary, uploading: uploading,
-            mountSummary: s.daemon?.mountSummary))
+            detached: mount.map { $0.1 == .detached }, crashed: s.crashed, queue: summary, uploading: uploading,
+            mountSummary: mount.map { $0.0.summary(of: $0.1) }))
       }
       if json {
         let enc = JSONEncoder()
@@ -193,7 +195,7 @@ struct SyncCommand: ParsableCommand {
             printer.clearLine()
             // The server signed this device out (a revoked or expired token): no retry helps
             // until the user signs in again, so the wait ends here.
-            if f.errno == EACCES && f.error.hasPrefix("not signed in") {
+            if f.errno == EACCES && f.error.hasPrefix(CloudError.notSignedIn) {
               throw UbiqError.accessDenied(
                 "\(f.error); sign in again with 'ubiqfs account login' (changes stay queued here)")
             }
