@@ -186,14 +186,22 @@ extension IndexStore {
     let ownOrphan = local == nil && ownDevice == r.deviceID
     var name = r.name
     var renamedHere = false
+    // A holder that follows its held record, placed once the record has taken the name.
+    var following: (row: ItemRow, record: CloudItem)?
     if let otherID = try Self.childID(db, parent, name), otherID != local?.id,
-      let other = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [otherID])
+      var other = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [otherID])
     {
       let otherQueued =
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) == true
+      let otherBase = other.baseItem
+      let later = try Self.heldRecord(db, of: other)
       let holder = RemotePlanner.NameHolder(
         itemID: other.itemID, unchanged: other.etag != nil && other.revision == other.syncedRevision && !otherQueued,
-        changeSeq: other.etag.flatMap { Int64($0) })
+        changeSeq: other.etag.flatMap { Int64($0) },
+        placeFromCloud: otherBase.map { !$0.deleted && $0.parentID == parentItemID && $0.name == other.name } ?? false,
+        laterInCloud: later.flatMap { later in
+          later.deleted ? .deleted : later.parentID != parentItemID || later.name != name ? .moved : nil
+        })
       switch RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan) {
       case .deferRecord:
         return RemoteApplyResult(outcome: .deferred)
@@ -203,6 +211,15 @@ extension IndexStore {
         try db.execute(
           sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [Self.parkedName(other.itemID), otherID])
         stale += [(parent, other.name)]
+      case .holderFollowsItsRecord:
+        // Parked while the record takes the name, then placed where its held record puts it
+        // (`laterInCloud` is `.moved`: there is one).
+        guard let later else { return RemoteApplyResult(outcome: .deferred) }
+        try db.execute(
+          sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [Self.parkedName(other.itemID), otherID])
+        other.name = Self.parkedName(other.itemID)
+        following = (other, later)
+        stale += [(parent, r.name)]
       case .holderYields:
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
@@ -245,6 +262,9 @@ extension IndexStore {
         try Self.noteAutomaticRename(db, row.id!)
         try self.enqueue(db, row.id!)
       }
+      if let following, let placed = try placeParked(db, following.row, as: following.record) {
+        stale += placed.staleEntries
+      }
       return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
     }
     var row = ItemRow(
@@ -260,6 +280,9 @@ extension IndexStore {
     if renamedHere {
       try Self.noteAutomaticRename(db, row.id!)
       try self.enqueue(db, row.id!)
+    }
+    if let following, let placed = try placeParked(db, following.row, as: following.record) {
+      stale += placed.staleEntries
     }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
   }
@@ -362,6 +385,35 @@ extension IndexStore {
     return (parent, place.name)
   }
 
+  /// The item here that holds the place the cloud gave `record` although the cloud can have
+  /// given it only after that item left (its place here is its cloud version's, which is
+  /// older than `record`), when no newer record of it is held: where it went is not known here
+  /// yet. Nil if there is none.
+  public func staleNameHolder(of record: CloudItem) throws -> (itemID: String, changeSeq: Int64)? {
+    try readOne { db in
+      guard let parentID = record.parentID,
+        let parent = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [parentID]),
+        let id = try Self.childID(db, parent, record.name),
+        let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id]),
+        row.itemID != record.itemID, let seq = row.etag.flatMap({ Int64($0) }), seq < record.changeSeq,
+        let base = row.baseItem, !base.deleted, base.parentID == parentID, base.name == row.name,
+        try Self.heldRecord(db, of: row) == nil
+      else { return nil }
+      return (row.itemID, seq)
+    }
+  }
+
+  /// The held record of `row`'s item that is newer than its version here, if there is one.
+  static func heldRecord(_ db: Database, of row: ItemRow) throws -> CloudItem? {
+    guard
+      let data = try Data.fetchOne(
+        db.cached("SELECT record FROM heldRemote WHERE itemID = ? AND changeSeq > ?"),
+        arguments: [row.itemID, row.etag.flatMap { Int64($0) } ?? 0]),
+      let held = try? RecordJSON.decodeStored(data)
+    else { return nil }
+    return held
+  }
+
   /// What applying a remote record does when its name is held by another local item.
   public enum NameCollisionPolicy: Sendable {
     /// The item that reached the cloud later yields and becomes "name 2.ext"; every device
@@ -389,45 +441,47 @@ extension IndexStore {
   public func unpark(_ records: [CloudItem]) throws -> [RemoteApplyResult] {
     guard !records.isEmpty else { return [] }
     return try write { db in
-      var results: [RemoteApplyResult] = []
-      for r in records {
+      try records.compactMap { r in
         guard
           let row = try ItemRow.fetchOne(
             db.cached("SELECT * FROM items WHERE itemID = ? AND name = ?"),
-            arguments: [r.itemID, Self.parkedName(r.itemID)]),
-          let id = row.id, let parent = row.parent, let had = row.baseItem?.name
-        else { continue }
-        func isFree(_ folder: Int64, _ name: String) throws -> Bool {
-          try Self.childID(db, folder, name).map { $0 == id } ?? true
-        }
-        if row.kind != .directory, !r.deleted, let folderID = r.parentID,
-          let folder = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [folderID]),
-          try isFree(folder, r.name)
-        {
-          try db.execute(sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [folder, r.name, id])
-          results.append(
-            RemoteApplyResult(
-              outcome: .updated(contentChanged: false), inode: id,
-              staleEntries: [(parent, row.name), (folder, r.name)]))
-          continue
-        }
-        var name = had
-        if try isFree(parent, had) {
-          try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [had, id])
-        } else {
-          name = try Self.freeName(db, parent, had)
-          try db.execute(
-            sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-            arguments: [name, self.clock.nowNs(), id])
-          try Self.noteAutomaticRename(db, id)
-          try self.enqueue(db, id)
-        }
-        results.append(
-          RemoteApplyResult(
-            outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)]))
+            arguments: [r.itemID, Self.parkedName(r.itemID)])
+        else { return nil }
+        return try placeParked(db, row, as: r)
       }
-      return results
     }
+  }
+
+  /// Gives parked item `row` the place its record `r` has, if that folder is here and the name
+  /// is free there (a folder only within its own folder: a rename cannot close a loop), or
+  /// else the name it had, or "name 2.ext" if that is taken (a name the naming rule changes,
+  /// which goes to the cloud). Nil if the row has no place to go back to.
+  func placeParked(_ db: Database, _ row: ItemRow, as r: CloudItem) throws -> RemoteApplyResult? {
+    guard let id = row.id, let parent = row.parent, let had = row.baseItem?.name else { return nil }
+    func isFree(_ folder: Int64, _ name: String) throws -> Bool {
+      try Self.childID(db, folder, name).map { $0 == id } ?? true
+    }
+    if !r.deleted, let folderID = r.parentID,
+      let folder = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [folderID]),
+      row.kind != .directory || folder == parent, try isFree(folder, r.name)
+    {
+      try db.execute(sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [folder, r.name, id])
+      return RemoteApplyResult(
+        outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (folder, r.name)])
+    }
+    var name = had
+    if try isFree(parent, had) {
+      try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [had, id])
+    } else {
+      name = try Self.freeName(db, parent, had)
+      try db.execute(
+        sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+        arguments: [name, self.clock.nowNs(), id])
+      try Self.noteAutomaticRename(db, id)
+      try self.enqueue(db, id)
+    }
+    return RemoteApplyResult(
+      outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)])
   }
 
   /// Whether an item below folder `id` changed here: queued (made, moved here, edited, renamed),

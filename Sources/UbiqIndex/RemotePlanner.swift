@@ -176,12 +176,30 @@ public enum RemotePlanner {
     public var unchanged: Bool
     /// The change sequence of the holder's cloud version (nil: never in the cloud).
     public var changeSeq: Int64?
+    /// The holder is where its cloud version put it (no move or rename made here).
+    public var placeFromCloud: Bool
+    /// What a newer record of the holder, held here, does with it (nil: none is held).
+    public var laterInCloud: LaterVersion?
 
-    public init(itemID: String, unchanged: Bool, changeSeq: Int64?) {
+    public init(
+      itemID: String, unchanged: Bool, changeSeq: Int64?, placeFromCloud: Bool = false,
+      laterInCloud: LaterVersion? = nil
+    ) {
       self.itemID = itemID
       self.unchanged = unchanged
       self.changeSeq = changeSeq
+      self.placeFromCloud = placeFromCloud
+      self.laterInCloud = laterInCloud
     }
+  }
+
+  /// A newer version of a name holder that this device holds back (its local changes wait to
+  /// be merged with it).
+  public enum LaterVersion: Sendable, Equatable {
+    /// It is somewhere else in the cloud.
+    case moved
+    /// It is deleted in the cloud.
+    case deleted
   }
 
   /// How a name collision is settled.
@@ -190,6 +208,9 @@ public enum RemotePlanner {
     case deferRecord
     /// The holder moves to a temporary local name until its own record, in this pull, is applied.
     case parkHolder
+    /// The holder goes where its held newer record puts it (the name there is free once the
+    /// record is applied, as in a swap), and the record takes the name.
+    case holderFollowsItsRecord
     /// The holder becomes "name 2" (and uploads that), the record takes the name.
     case holderYields
     /// The record's item becomes "name 2" here (and uploads that).
@@ -200,6 +221,12 @@ public enum RemotePlanner {
   /// later (or has not yet) yields, so every device, whatever order it sees the records in,
   /// gives the name to the same item. `ownOrphan`: the record is this device's own commit for
   /// an item it no longer has; it never takes a name from a local item.
+  ///
+  /// The cloud gives a name in a folder to one item at a time: a record newer than the version
+  /// that put the holder at the name (with no move made here) means the holder left it in the
+  /// cloud (moved or deleted; `mv a t; mv b a; mv t b` elsewhere). The name is the record's;
+  /// the holder goes where its newer record puts it, or, where that is not known here,
+  /// yields (its own record, when merged, still moves it).
   public static func settleName(
     record: CloudItem, holder: NameHolder, policy: IndexStore.NameCollisionPolicy, ownOrphan: Bool
   ) -> NameOutcome {
@@ -208,6 +235,16 @@ public enum RemotePlanner {
       return .parkHolder
     }
     let holderSeq = holder.changeSeq ?? Int64.max
+    if holder.placeFromCloud && holderSeq < record.changeSeq && !ownOrphan {
+      switch holder.laterInCloud {
+      case .moved: return .holderFollowsItsRecord
+      case .deleted: return .holderYields
+      case nil:
+        // Its newer record may come later in this pull.
+        if case .deferUnchangedHolders = policy { return .deferRecord }
+        return .holderYields
+      }
+    }
     return holderSeq > record.changeSeq && !ownOrphan ? .holderYields : .recordYields
   }
 }

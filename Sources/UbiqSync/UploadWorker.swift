@@ -884,7 +884,10 @@ public final class UploadWorker: @unchecked Sendable {
     for _ in 0..<8 {
       do {
         let result = try await cloud.putItem(container, item, ifMatch: ifMatch)
-        if merged { try adopt(result, keepingPlace: false) }
+        if merged {
+          await learnWhereTheNameHolderWent(result)
+          try adopt(result, keepingPlace: false)
+        }
         // A merge that took nothing from the cloud's version (it met this device's own earlier
         // commit, whose reply was lost) carries no change the user has not seen.
         try index.markUploaded(
@@ -962,6 +965,22 @@ public final class UploadWorker: @unchecked Sendable {
       }
     }
     throw CloudError.unavailable("\(row.name) keeps changing in the cloud; will retry")
+  }
+
+  /// A merged version can take a name that an item here still holds: the cloud gave it the
+  /// name after that item left it there (names swapped elsewhere). The item's newer version
+  /// is fetched and held, so that adopting the merge moves it where the cloud has it
+  /// (`RemotePlanner.settleName`) instead of settling a new name for either. Without an
+  /// answer the naming rule decides alone; the pull corrects it.
+  func learnWhereTheNameHolderWent(_ merged: CloudItem) async {
+    do {
+      guard let holder = try index.staleNameHolder(of: merged),
+        let current = try await cloud.item(container, itemID: holder.itemID), current.changeSeq > holder.changeSeq
+      else { return }
+      try index.holdRemote(current)
+    } catch {
+      log.info("\(merged.name): where the item that held its name here went is not known (\(error))")
+    }
   }
 
   /// Chunks the cache file and sends the chunks the cloud lacks. Throws `Postpone` if the file is

@@ -683,6 +683,14 @@ final class SyncSimulation {
   /// one device moved, that kept its identity and that no one removed, ends where that device
   /// put it last, but for what the rules change (`checkMoves`).
   var moves: [String: [(device: Int, step: Int, from: Place, to: Place, isFolder: Bool)]] = [:]
+  /// The places users gave items, by place: for each, the items a user step put there (made
+  /// there, renamed or moved there), with the step; an item's claim on a place lasts until a
+  /// user step gives it another one (`placeClaims`), also when it is removed (an edit made
+  /// elsewhere may bring it back). Sync settles a collision ("name 2") only where two items'
+  /// claims on a name overlapped (`nameWasWanted`).
+  var claims: [Place: [(item: String, step: Int)]] = [:]
+  /// The steps at which user steps gave each item a place, in order.
+  var placeClaims: [String: [Int]] = [:]
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -1199,7 +1207,11 @@ final class SyncSimulation {
   ) throws {
     if moving {
       for (id, now) in after.sorted(by: { $0.key < $1.key }) {
-        guard let was = before[id], was.parent != now.parent || was.name != now.name else { continue }
+        let was = before[id]
+        guard was == nil || was!.parent != now.parent || was!.name != now.name else { continue }
+        claims[Place(parent: now.parent, name: now.name), default: []].append((id, step))
+        placeClaims[id, default: []].append(step)
+        guard let was else { continue }
         moves[id, default: []].append(
           (d, step, Place(parent: was.parent, name: was.name), Place(parent: now.parent, name: now.name), now.isFolder))
       }
@@ -1573,7 +1585,10 @@ final class SyncSimulation {
       var outcomes: Set<MoveOutcome> = []
       var wrong: [String] = []
       for (owner, place) in places {
-        if let place, let outcome = Self.moveOutcome(place, made, crossed: crossed) {
+        let outcome = place.flatMap { Self.moveOutcome($0, made, crossed: crossed) }
+        if let place, outcome == .nameSettled, !nameWasWanted(last.to, by: id) {
+          wrong.append("\(describe(place, records)) on \(owner), a name settled while no other item wanted that one")
+        } else if let outcome {
           outcomes.insert(outcome)
         } else {
           wrong.append("\(place.map { describe($0, records) } ?? "gone") on \(owner)")
@@ -1611,6 +1626,20 @@ final class SyncSimulation {
       return .undone
     }
     return nil
+  }
+
+  /// Whether another item wanted `place` while `item` did: a user step put each there, and
+  /// neither was given another place before the other came. Only then may sync settle a
+  /// collision on that name.
+  func nameWasWanted(_ place: Place, by item: String) -> Bool {
+    let wanted = claims[place] ?? []
+    func until(_ id: String, _ from: Int) -> Int { placeClaims[id]?.first(where: { $0 > from }) ?? Int.max }
+    return wanted.filter { $0.item == item }.contains { mine in
+      let mineUntil = until(item, mine.step)
+      return wanted.contains { other in
+        other.item != item && other.step < mineUntil && mine.step < until(other.item, other.step)
+      }
+    }
   }
 
   /// `place` as a path in the cloud's tree (`records`), with the folder's id if it is not there.
@@ -1711,6 +1740,29 @@ final class SyncSimulation {
   /// Sequences found by the random test or written for a known bug, replayed every run. Steps
   /// are (device, kind, a, b, n) as in `SyncStep`.
   static let regressions: [[(Int, Int, Int, Int, Int)]] = [
+    // Device 0 swaps the names of f and g (mv f e; mv g f; mv e g) while device 1 edits both,
+    // then device 1 commits first: the merge of f takes the cloud's name g, which device 1's g
+    // still holds. The cloud gave g to f after g left it, so g steps aside to where the cloud
+    // has it (fetched and held), not f to "g 2" (found by a tester on a real server).
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 5, 0, 3, 0), (0, 5, 1, 0, 0),
+      (0, 5, 3, 1, 0), (1, 0, 0, 0, 0), (1, 0, 1, 0, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0), (0, 6, 3, 3, 0),
+      (0, 8, 3, 3, 0), (1, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
+    // The same swap while device 1 edits g only and pulls first: the record of f takes g while
+    // device 1's g waits for its edit's merge; g goes where its held record puts it.
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 5, 0, 3, 0), (0, 5, 1, 0, 0),
+      (0, 5, 3, 1, 0), (1, 0, 1, 0, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0),
+      (1, 8, 3, 3, 0), (1, 6, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
+    // The same swap while device 1 edits f only and commits before it pulls: the merge of f
+    // takes g from device 1's unchanged g.
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 5, 0, 3, 0), (0, 5, 1, 0, 0),
+      (0, 5, 3, 1, 0), (1, 0, 0, 0, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0),
+      (1, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
     // Device 1 keeps folder d for the folder it made in it, which device 0 did not see when it
     // removed d and made a new d/e; device 1 settles the two names d as d and "d 2". Its commit
     // of "d 2" must say it only settles a name, although the folder's mtime moved here when its

@@ -115,6 +115,30 @@ import Testing
     }
   }
 
+  /// The cloud gives a name to one item at a time: a holder that is where its cloud version put
+  /// it, met by a newer record for that name, left the name in the cloud. The record keeps the
+  /// name on every device; the holder follows its held newer record, or yields.
+  @Test func aHolderThatLeftTheNameInTheCloudNeverTakesItFromANewerRecord() async {
+    let later: [RemotePlanner.LaterVersion?] = [nil, .moved, .deleted]
+    let inputs = zip(
+      Gen.int64(in: 1...1000), Gen.int64(in: 1...1000), Gen.bool, Gen.int(in: 0...2), Gen.int(in: 0...2))
+    await propertyCheck(count: Self.cases, input: inputs) { recordSeq, holderSeq, unchanged, laterIndex, policyIndex in
+      let r = CloudItem(
+        itemID: "newer", parentID: WellKnownItem.documents, name: "n", kind: .file, mode: 0o644, size: 0,
+        mtimeNs: 1, etag: String(recordSeq), changeSeq: recordSeq)
+      let holder = RemotePlanner.NameHolder(
+        itemID: "here", unchanged: unchanged, changeSeq: holderSeq, placeFromCloud: true,
+        laterInCloud: later[laterIndex])
+      let policies: [IndexStore.NameCollisionPolicy] = [.settle, .deferUnchangedHolders, .moveAsideHolders(["here"])]
+      let outcome = RemotePlanner.settleName(record: r, holder: holder, policy: policies[policyIndex], ownOrphan: false)
+      guard holderSeq < recordSeq else { return }
+      #expect(outcome != .recordYields, "the record took the name after the holder left it: \(holder), \(outcome)")
+      if later[laterIndex] == .moved && !(unchanged && policyIndex != 0) {
+        #expect(outcome == .holderFollowsItsRecord, "its newer record says where it went")
+      }
+    }
+  }
+
   @Test func ownOrphanRecordsNeverTakeALocalName() async {
     let inputs = zip(Gen.int64(in: 1...100), Gen.int64(in: 1...100).optional, Gen.bool)
     await propertyCheck(count: Self.cases, input: inputs) { seq, holderSeq, unchanged in

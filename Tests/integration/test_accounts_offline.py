@@ -172,3 +172,38 @@ def test_sync_wait_stops_with_one_line_when_the_server_signed_the_device_out(ubi
     assert (ubiq.docs / "after.txt").read_text() == "after\n"
     assert ubiq.xattr(ubiq.docs / "after.txt", "user.ubiq.uploaded") == "0"
     assert "not signed in" in ubiq.xattr(ubiq.docs / "after.txt", "user.ubiq.upload_error")
+
+
+@pytest.mark.parametrize("edited", [["a.txt", "b.txt"], ["b.txt"]])
+def test_names_swapped_on_one_device_while_the_other_edits_stay_swapped(pair, edited):
+    """A swaps two names (mv a t; mv b a; mv t b) while the server is down; B, which has not
+    seen that, appends to one or both. Once the server is back, both devices show the swap,
+    with B's lines in the files they went to, and no "a 2"/"b 2"."""
+    a, b = pair
+    (a.docs / "a.txt").write_text("first\n")
+    (a.docs / "b.txt").write_text("second\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "b.txt").exists(), what="a.txt and b.txt on b")
+    # B downloads both (an evicted file cannot be opened while the cloud is away).
+    assert read(b.docs / "a.txt") == b"first\n" and read(b.docs / "b.txt") == b"second\n"
+    with Offline(a, b):
+        os.rename(a.docs / "a.txt", a.docs / "t.txt")
+        os.rename(a.docs / "b.txt", a.docs / "a.txt")
+        os.rename(a.docs / "t.txt", a.docs / "b.txt")
+        for name in edited:
+            with open(b.docs / name, "a") as f:
+                f.write(f"B's line in {name}\n")
+        time.sleep(2)
+    settle(a, b, rounds=3)
+    # The file that was b.txt is a.txt now, and the other way round; B's line went with the file.
+    expected = {
+        "a.txt": b"second\n" + (b"B's line in b.txt\n" if "b.txt" in edited else b""),
+        "b.txt": b"first\n" + (b"B's line in a.txt\n" if "a.txt" in edited else b""),
+    }
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["a.txt", "b.txt"], timeout=20,
+                 what=f"the two names on {u.root.name}: {sorted(os.listdir(u.docs))}")
+        for name, data in expected.items():
+            wait_for(lambda: read(u.docs / name) == data, timeout=20,
+                     what=f"{name} on {u.root.name}: {read(u.docs / name)!r}")
+    assert a.item_id(a.docs / "a.txt") == b.item_id(b.docs / "a.txt")
