@@ -153,7 +153,11 @@ extension KVSet {
       return .int(i)
     }
     do {
-      return try JSONDecoder().decode(JSONValue.self, from: Data(text.utf8))
+      let value = try JSONDecoder().decode(JSONValue.self, from: Data(text.utf8))
+      try refuseInexactIntegers(in: text)
+      return value
+    } catch let error as UbiqError {
+      throw error
     } catch {
       guard let first = trimmed.first, "[{\"".contains(first) else { return .string(text) }
       var reason = "\(error)"
@@ -164,6 +168,32 @@ extension KVSet {
       }
       reason = reason.replacingOccurrences(of: "\n", with: " ")
       throw UbiqError.invalidArgument("not valid JSON (\(reason)); give it as a JSON string to store it as text")
+    }
+  }
+}
+
+/// Refuses JSON text with an integer literal outside the 64-bit range anywhere in it (in an
+/// array or object too): the decoder would store it as an inexact double.
+func refuseInexactIntegers(in text: String) throws {
+  let bytes = Array(text.utf8)
+  var i = 0
+  while i < bytes.count {
+    let c = bytes[i]
+    if c == UInt8(ascii: "\"") {
+      // Skip the string, escapes included.
+      i += 1
+      while i < bytes.count && bytes[i] != UInt8(ascii: "\"") { i += bytes[i] == UInt8(ascii: "\\") ? 2 : 1 }
+      i += 1
+    } else if c == UInt8(ascii: "-") || (UInt8(ascii: "0")...UInt8(ascii: "9")).contains(c) {
+      let start = i
+      while i < bytes.count, "-+.eE0123456789".utf8.contains(bytes[i]) { i += 1 }
+      let token = String(decoding: bytes[start..<i], as: UTF8.self)
+      if !token.contains(where: { ".eE".contains($0) }) && Int64(token) == nil {
+        throw UbiqError.invalidArgument(
+          "the integer \(token.prefix(40)) is outside the 64-bit range; give it as a JSON string to store it as text")
+      }
+    } else {
+      i += 1
     }
   }
 }
@@ -208,6 +238,7 @@ struct KVImport: ParsableCommand {
       guard case .object(let obj) = try JSONDecoder().decode(JSONValue.self, from: data) else {
         throw KVCLIError("\(file) does not hold a JSON object")
       }
+      try refuseInexactIntegers(in: String(decoding: data, as: UTF8.self))
       let ctx = try KVContext.open(options)
       try kvWrite(ctx, obj.keys.sorted().map { ($0, obj[$0]) }, nil)
     }

@@ -9,6 +9,7 @@ import XCTest
 final class KVMirrorTests: XCTestCase {
   func makeMirror() throws -> KVMirror {
     let dir = FileManager.default.temporaryDirectory.appendingPathComponent("kvmirror-\(UUID().uuidString)")
+    addTeardownBlock { try? FileManager.default.removeItem(at: dir) }
     return try KVMirror(path: dir.appendingPathComponent("kv.sqlite"), container: .defaultContainer)
   }
 

@@ -93,6 +93,7 @@ def test_values_and_propagation(ubiq, peer):
     [
         ("123456789012345678901234567890", "64-bit"),
         ("-99999999999999999999", "64-bit"),
+        ('[1, {"n": 18446744073709551616}]', "64-bit"),
         ("[" * 600 + "]" * 600, "JSON"),
         ("[1,", "JSON"),
         ('{"a": 1', "JSON"),
@@ -112,6 +113,20 @@ def test_a_value_that_is_not_what_it_looks_like_is_refused_not_changed(ubiq, val
     kv(ubiq, "set", "text", json.dumps(value))
     assert get(ubiq, "max") == 9223372036854775807 and get(ubiq, "min") == -9223372036854775808
     assert get(ubiq, "text") == value
+
+
+def test_import_refuses_an_integer_past_64_bits_and_changes_nothing(ubiq):
+    f = ubiq.root / "big.json"
+    f.write_text('{"ok": 1, "big": [2, 99999999999999999999], "text": "99999999999999999999"}')
+    cp = kv(ubiq, "import", f, check=False)
+    err = cp.stderr.strip()
+    assert cp.returncode != 0 and err.startswith("ubiqfs:") and "64-bit" in err and "\n" not in err, cp
+    assert get(ubiq, "ok") is None and get(ubiq, "big") is None
+    # In a string, as a double, or within range, numbers are imported as written.
+    f.write_text('{"text": "99999999999999999999", "d": 1.5e300, "max": 9223372036854775807}')
+    kv(ubiq, "import", f)
+    assert get(ubiq, "text") == "99999999999999999999" and get(ubiq, "d") == 1.5e300
+    assert get(ubiq, "max") == 9223372036854775807
 
 
 def test_ls_quotes_keys_a_tab_or_line_break_would_make_ambiguous(ubiq):

@@ -167,6 +167,7 @@ class SeaweedS3:
         self.root = Path(tempfile.mkdtemp(prefix="ubiq-weed-"))
         self.proc: subprocess.Popen | None = None
         self.s3_port = 0
+        self.sockets: list[Path] = []
 
     def start(self) -> "SeaweedS3":
         weed = shutil.which("weed")
@@ -189,8 +190,9 @@ class SeaweedS3:
         )
         p = free_ports(10)
         self.s3_port = p[6]
+        # -logdir keeps weed's own log files out of /tmp.
         args = [
-            weed, "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            weed, f"-logdir={self.root}", "server", f"-dir={self.root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", f"-volume.port={p[2]}",
             f"-volume.port.grpc={p[3]}", f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}",
             "-s3", f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
@@ -200,7 +202,25 @@ class SeaweedS3:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         _wait(lambda: self._s3_answers(), 90, "SeaweedFS S3 gateway", self.proc, log)
+        self.sockets = self._unix_sockets()
         return self
+
+    def _unix_sockets(self) -> list[Path]:
+        """The Unix sockets weed bound (it puts them in /tmp whatever TMPDIR says), found by
+        the socket inodes its descriptors hold in /proc/net/unix: removed after it stops."""
+        if self.proc is None:
+            return []
+        try:
+            inodes = set()
+            for fd in os.listdir(f"/proc/{self.proc.pid}/fd"):
+                target = os.readlink(f"/proc/{self.proc.pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+            with open("/proc/net/unix") as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+        except OSError:
+            return []
+        return sorted({Path(r[7]) for r in rows if len(r) >= 8 and r[6] in inodes and r[7].startswith("/tmp/")})
 
     def _s3_answers(self) -> bool:
         try:
@@ -219,6 +239,8 @@ class SeaweedS3:
     def stop(self) -> None:
         stop_process(self.proc, grace=5)
         self.proc = None
+        for sock in self.sockets:
+            sock.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
