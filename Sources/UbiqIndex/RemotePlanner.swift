@@ -240,9 +240,10 @@ public enum RemotePlanner {
       case .moved: return .holderFollowsItsRecord
       case .deleted: return .holderYields
       case nil:
-        // Its newer record may come later in this pull.
-        if case .deferUnchangedHolders = policy { return .deferRecord }
-        return .holderYields
+        // Its newer record may come later in this pull (on a later page, when it changed
+        // again); once the whole feed is read, it yields.
+        if case .settle = policy { return .holderYields }
+        return .deferRecord
       }
     }
     return holderSeq > record.changeSeq && !ownOrphan ? .holderYields : .recordYields
