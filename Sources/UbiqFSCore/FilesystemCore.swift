@@ -100,9 +100,12 @@ public final class FilesystemCore: @unchecked Sendable {
     }
     // An evicted file keeps its size but occupies nothing locally.
     let blocks = (row.kind == .file && row.content == .dataless) ? 0 : (size + 511) / 512
+    // Writes not recorded yet changed the inode when they moved its mtime; an mtime set
+    // explicitly (in the future, say) is no change time.
+    let ctime = mtime != row.mtimeNs ? max(row.ctimeNs, mtime) : row.ctimeNs
     return FileAttributes(
       inode: ino, kind: row.kind, mode: row.mode & 0o7777, linkCount: links, uid: row.uid, gid: row.gid, size: size,
-      blocks: blocks, atimeNs: row.atimeNs, mtimeNs: mtime, ctimeNs: max(row.ctimeNs, mtime))
+      blocks: blocks, atimeNs: row.atimeNs, mtimeNs: mtime, ctimeNs: ctime)
   }
 
   /// The command name (/proc/PID/comm, at most 15 bytes) of a process.
@@ -354,9 +357,15 @@ public final class FilesystemCore: @unchecked Sendable {
   public func open(
     _ inode: Int64, flags: Int32, caller: Caller, interruption: Interruption? = nil
   ) throws -> OpenedFile {
-    let row = try requireRow(inode)
+    var row = try requireRow(inode)
     if row.kind == .directory { throw UbiqError.isDirectory(row.name) }
     let writable = flags & O_ACCMODE != O_RDONLY
+    // As on Linux: O_TRUNC truncates also through a read-only open (the kernel checked write
+    // permission), and moves mtime and ctime also when the file is already empty.
+    if flags & O_TRUNC != 0 && (!writable || (row.size == 0 && row.content == .cached)) {
+      _ = try setattr(inode, AttributeUpdate(size: 0))
+      row = try requireRow(inode)
+    }
     if row.content == .dataless, let who = programName(caller.pid), options.noDownloadPrograms.contains(who) {
       log.info("refused download of \(row.name) for \(who) (no-download program)")
       throw UbiqError.accessDenied("\(who) may not download content")

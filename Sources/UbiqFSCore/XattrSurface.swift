@@ -60,6 +60,7 @@ struct XattrSurface {
     // answer without touching the index. EOPNOTSUPP rather than ENODATA lets `ls -l` remember
     // that for the whole device and stop asking for every file (two round trips per entry).
     guard name.hasPrefix("user.") else { throw UbiqError.notSupported("\(name): only user.* attributes exist here") }
+    try Self.refuseEmptyName(name)
     let row = try fs.requireRow(inode)
     let value: Data
     if name.hasPrefix(Self.prefix) {
@@ -128,6 +129,7 @@ struct XattrSurface {
       return
     }
     guard name.hasPrefix("user.") else { throw UbiqError.notSupported("only user.* attributes are stored") }
+    try Self.refuseEmptyName(name)
     if name.utf8.count > CloudItem.maxXattrNameBytes { throw UbiqError.range("attribute name too long") }
     if value.count > CloudItem.maxXattrValueBytes { throw UbiqError.range("attribute value larger than 64 KiB") }
     let mode: IndexStore.XattrMode =
@@ -152,8 +154,14 @@ struct XattrSurface {
       return
     }
     guard name.hasPrefix("user.") else { throw UbiqError.noData(name) }
+    try Self.refuseEmptyName(name)
     try fs.index.removeXattr(row.id!, name)
     fs.onQueued()
+  }
+
+  /// `user.` alone names no attribute: EINVAL, as Linux gives for any namespace prefix alone.
+  static func refuseEmptyName(_ name: String) throws {
+    if name == "user." { throw UbiqError.invalidArgument("an attribute name needs something after user.") }
   }
 
   static func bool(_ text: String, _ name: String) throws -> Bool {

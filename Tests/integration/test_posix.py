@@ -227,6 +227,44 @@ def test_mtime_changes_on_write(ubiq):
     assert os.stat(p).st_mtime_ns != 10**18
 
 
+def test_truncating_opens_and_ctime_as_on_ext4(ubiq, tmp_path):
+    """ext4 (tmp_path) is the oracle. An open with O_TRUNC moves mtime and ctime also when the
+    file is already empty (`: > stamp`), and truncates also when opened read-only (Linux does);
+    ctime is the time of the last change of the inode, never raised to a later mtime."""
+    results = {}
+    for where in (tmp_path, ubiq.docs):
+        got = {}
+        stamp = where / "stamp"
+        write_file(stamp, "")
+        os.utime(stamp, ns=(10**18, 10**18))
+        os.close(os.open(stamp, os.O_WRONLY | os.O_TRUNC))
+        st = os.stat(stamp)
+        got["empty O_TRUNC moves mtime"] = abs(st.st_mtime - time.time()) < 60
+        got["empty O_TRUNC moves ctime"] = abs(st.st_ctime - time.time()) < 60
+        ro = where / "ro"
+        write_file(ro, "abc")
+        os.close(os.open(ro, os.O_RDONLY | os.O_TRUNC))
+        got["O_RDONLY|O_TRUNC size"] = os.stat(ro).st_size
+        future = where / "future"
+        write_file(future, "x")
+        os.utime(future, ns=(7 * 10**18, 7 * 10**18))  # 2191
+        got["ctime after a future mtime is now"] = abs(os.stat(future).st_ctime - time.time()) < 60
+        os.chmod(future, 0o600)
+        got["ctime after chmod is now"] = abs(os.stat(future).st_ctime - time.time()) < 60
+        results[where] = got
+    assert results[ubiq.docs] == results[tmp_path], results
+
+
+def test_an_attribute_name_with_nothing_after_user_is_refused_as_on_ext4(ubiq, tmp_path):
+    for where in (tmp_path, ubiq.docs):
+        f = where / "x1"
+        write_file(f, "x")
+        assert_errno(errno.EINVAL, os.setxattr, f, "user.", b"1")
+        assert_errno(errno.EINVAL, os.getxattr, f, "user.")
+        assert_errno(errno.EINVAL, os.removexattr, f, "user.")
+        assert "user." not in os.listxattr(f)
+
+
 def test_unlink(ubiq):
     p = ubiq.docs / "gone.txt"
     write_file(p, "bye")
