@@ -45,6 +45,14 @@ public final class Daemon {
   }
 
   public func run() throws -> Int32 {
+    do {
+      return try mountAndServe()
+    } catch let error where IndexStore.storageErrno(error) == ENOSPC {
+      throw UbiqError.noSpace("the index cannot be written (\(error))")
+    }
+  }
+
+  func mountAndServe() throws -> Int32 {
     // The signed-in server account (HTTPCloud), or the embedded engine's "local" account.
     let cloudSession = try CloudSession.open(paths)
     let account = cloudSession.account
@@ -67,10 +75,16 @@ public final class Daemon {
     // left stale elsewhere is detached.
     MountPoint.recoverPrevious(DaemonRecord.load(dir), mountingAt: mountpoint) { [log] in log.warning("\($0)") }
 
+    // On a full disk the space reserve's room is what the start records, and the removals
+    // that free room, need: a full disk mounts, and can be emptied through the mount.
+    if SpaceReserve(folder: dir.path).releaseIfDiskIsFull() {
+      log.warning("the state folder's disk is full: its space reserve is given back for removals")
+    }
     let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
     index.uploadDelayNs = Int64(uploadDelayMs) * 1_000_000
     try index.bootstrap(uid: getuid(), gid: getgid())
     let deviceID = try index.deviceID()
+    index.reserve?.keep()
     let cache = try ContentCache(directory: dir.appendingPathComponent("content").path)
     // SQLite syncs the folder for its WAL file, not for the database file it creates: the names
     // index.sqlite and content/ become durable here, before anything relies on them.

@@ -65,6 +65,8 @@ extension FilesystemCore {
   /// its minimum free space. Never evicts dirty, open or pinned files. Returns bytes freed.
   @discardableResult
   public func enforceCacheBudget() -> Int64 {
+    // A space reserve given back on a full disk is made again once there is room.
+    index.reserve?.keep()
     do {
       try removeForgottenContent()
     } catch {

@@ -29,6 +29,18 @@ extension IndexStore {
     }
   }
 
+  /// `write` for a change that frees room or takes none (a removal, a rename, a truncation,
+  /// a mode or a time): if the disk is full, the space reserve is given back and the change
+  /// tried once more, so that a full disk can be emptied through the mount, as on ext4.
+  func writeFreeingRoom<T>(_ body: (Database) throws -> T) throws -> T {
+    do {
+      return try write(body)
+    } catch let error as DatabaseError where error.resultCode == .SQLITE_FULL {
+      guard let reserve, reserve.release() else { throw error }
+      return try write(body)
+    }
+  }
+
   /// Inserts `row` into `items` with a statement prepared once per connection (GRDB's record
   /// insert builds its SQL for every call), and sets its `id` to the new inode.
   static func insertItem(_ db: Database, _ row: inout ItemRow) throws {

@@ -23,6 +23,9 @@ public final class IndexStore: @unchecked Sendable {
   public let identifiers: IdentifierSource
   /// The connections of `readOne`.
   let statementReaders: StatementReaders
+  /// Room kept aside in the index's folder for removals, renames and attribute changes on a
+  /// full disk (`writeFreeingRoom`); nil for a read-only index.
+  public let reserve: SpaceReserve?
   /// Whether `makeDurable` has synced the folder that holds the WAL's directory entry
   /// (guarded by `walDirectoryLock`).
   private var walDirectorySynced = false
@@ -57,6 +60,7 @@ public final class IndexStore: @unchecked Sendable {
       }
       return config
     }
+    reserve = readOnly ? nil : SpaceReserve(folder: (path as NSString).deletingLastPathComponent)
     if readOnly {
       pool = try DatabaseQueue(path: path, configuration: configuration(readOnly: true))
       statementReaders = StatementReaders(queues: [])
@@ -552,7 +556,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
   public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
-    try write { db in
+    try writeFreeingRoom { db in
       guard
         let row = try ItemRow.fetchOne(
           db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name]),
@@ -779,7 +783,7 @@ public final class IndexStore: @unchecked Sendable {
     parent: Int64, name: String, newParent: Int64, newName: String, mode: RenameMode
   ) throws -> RenameResult {
     try ItemName.validate(newName)
-    return try write { db in
+    return try writeFreeingRoom { db in
       guard let srcID = try Self.childID(db, parent, name),
         var src = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])
       else {
@@ -962,7 +966,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
   public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
-    try write { db in
+    try writeFreeingRoom { db in
       guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
         throw UbiqError.notFound("inode \(inode)")
       }

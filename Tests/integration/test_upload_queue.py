@@ -374,6 +374,44 @@ def test_a_mount_on_a_full_state_disk_fails_with_one_line_and_leaves_no_mount(ub
         assert (ubiq.docs / "kept.txt").read_text() == "kept\n"
 
 
+def test_a_state_disk_filled_through_the_mount_can_be_emptied_through_it(ubiq):
+    """A file written through the mount fills the state folder's disk. As on a full ext4, the
+    container still mounts, and renaming, truncating and removing still work, so the room can
+    be given back through the mount (the state folder keeps a small reserve for them)."""
+    write_file(ubiq.docs / "keep.txt", "keep\n")
+    write_file(ubiq.docs / "stamp", "some bytes\n")
+    ubiq.sync()
+    with state_on_small_disk(ubiq) as cdir:
+        big = ubiq.docs / "big"
+        fd = os.open(big, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            while True:
+                os.write(fd, b"\1" * (1 << 20))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        try:
+            os.close(fd)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+        free_when_full = shutil.disk_usage(cdir).free
+        print(f"state disk free after filling it through the mount: {free_when_full} bytes")
+        ubiq.unmount()
+        cp = ubiq.run("mount", ubiq.container, ubiq.mnt, check=False)
+        assert cp.returncode == 0, f"mount on the full disk: {cp.stderr.strip()}"
+        os.rename(ubiq.docs / "keep.txt", ubiq.docs / "kept.txt")
+        os.close(os.open(ubiq.docs / "stamp", os.O_WRONLY | os.O_TRUNC))
+        os.unlink(big)
+        # The cache file goes once the removal is durable (the daemon's next round, about 2 s).
+        wait_for(lambda: shutil.disk_usage(cdir).free > 8 << 20, timeout=15, what="the removed file's room back")
+        write_file(ubiq.docs / "kept.txt", "after\n")
+        ubiq.sync(timeout=60)
+        live = {i["name"]: i for i in ubiq.cloud_items(include_deleted=False)}
+        assert "big" not in live and "keep.txt" not in live
+        assert ubiq.cloud_content(live["kept.txt"]["itemID"]) == b"after\n"
+        assert ubiq.cloud_content(live["stamp"]["itemID"]) == b""
+        assert ubiq.status()[0]["queue"]["pendingItems"] == 0
+
+
 def test_a_full_state_disk_gives_enospc_and_keeps_every_name(ubiq):
     """With the state folder's disk full, operations that need room fail with ENOSPC (as on a
     full ext4), the daemon stays up, nothing existing disappears, and everything works again
