@@ -137,10 +137,25 @@ public final class FilesystemCore: @unchecked Sendable {
         inode: inode, kind: .file, mode: o.mode & 0o7777, linkCount: 0, uid: o.uid, gid: o.gid, size: size,
         blocks: (size + 511) / 512, atimeNs: o.mtimeNs, mtimeNs: mtime, ctimeNs: mtime)
     }
+    if let removed = removedDirectoryAttributes(inode) { return removed }
     throw UbiqError.notFound("inode \(inode)")
   }
 
   public func setattr(_ inode: Int64, _ update: AttributeUpdate, handle: UInt64? = nil) throws -> FileAttributes {
+    if inodes.removedDirectoryAttributes(inode) != nil, try index.item(inode) == nil {
+      // A removed directory's mode, owner and times live in memory until it is forgotten.
+      inodes.changeRemovedDirectory(inode) { a in
+        if let mode = update.mode { a.mode = mode }
+        if let uid = update.uid { a.uid = uid }
+        if let gid = update.gid { a.gid = gid }
+        switch update.mtime {
+        case .now: a.mtimeNs = index.clock.nowNs()
+        case .at(let t): a.mtimeNs = t
+        case nil: break
+        }
+      }
+      return try getattr(inode)
+    }
     var c = AttributeChanges()
     let now = self.index.clock.nowNs()
     c.mode = update.mode
@@ -251,8 +266,21 @@ public final class FilesystemCore: @unchecked Sendable {
   func remove(parent: Int64, name: String, directory: Bool) throws {
     try checkName(name)
     let row = try index.remove(parent: parent, name: name, directory: directory)
+    if directory, let inode = row.id {
+      inodes.directoryRemoved(
+        inode, UnlinkedAttributes(mode: row.mode, uid: row.uid, gid: row.gid, mtimeNs: row.mtimeNs))
+    }
     dispose(row)
     onQueued()
+  }
+
+  /// The attributes of a directory removed while the kernel still holds it (an open
+  /// descriptor, a working directory): as on ext4, an empty directory with no links.
+  func removedDirectoryAttributes(_ inode: Int64) -> FileAttributes? {
+    guard let d = inodes.removedDirectoryAttributes(inode) else { return nil }
+    return FileAttributes(
+      inode: inode, kind: .directory, mode: d.mode & 0o7777, linkCount: 0, uid: d.uid, gid: d.gid, size: 0,
+      blocks: 0, atimeNs: d.mtimeNs, mtimeNs: d.mtimeNs, ctimeNs: d.mtimeNs)
   }
 
   /// Drops the local content of a row that left the namespace (now, or at its last release).
@@ -317,7 +345,10 @@ public final class FilesystemCore: @unchecked Sendable {
   // MARK: - directories
 
   public func opendir(_ inode: Int64) throws {
-    let dir = try requireRow(inode)
+    guard let dir = try index.item(inode) else {
+      if inodes.removedDirectoryAttributes(inode) != nil { return }
+      throw UbiqError.notFound("inode \(inode)")
+    }
     guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
   }
 
@@ -328,7 +359,11 @@ public final class FilesystemCore: @unchecked Sendable {
     var offset = offset
     if offset < 2 {
       // Past "." and "..", the folder's own row is not needed: the entries are its children.
-      let dir = try requireRow(inode)
+      guard let dir = try index.item(inode) else {
+        // A removed directory lists nothing, as on ext4.
+        if inodes.removedDirectoryAttributes(inode) != nil { return }
+        throw UbiqError.notFound("inode \(inode)")
+      }
       guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
       if offset < 1 {
         var a = attributes(for: dir)

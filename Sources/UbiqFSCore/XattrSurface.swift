@@ -88,7 +88,11 @@ struct XattrSurface {
   }
 
   func list(_ inode: Int64, size: Int) throws -> XattrAnswer {
-    let row = try fs.requireRow(inode)
+    guard let row = try fs.index.item(inode) else {
+      // A removed directory the kernel still holds has none.
+      if fs.removedDirectoryAttributes(inode) != nil { return size == 0 ? .size(0) : .value(Data()) }
+      throw UbiqError.notFound("inode \(inode)")
+    }
     var names = try fs.index.xattrNames(row.id!)
     // The kernel refuses user.* attributes on symlinks, so list none there.
     if row.kind != .symlink {

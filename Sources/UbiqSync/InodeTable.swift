@@ -46,6 +46,9 @@ struct InodeState {
   var pendingMtimeNs: Int64?
   /// Set when the file was unlinked while open: it lives on until the last close.
   var unlinked: UnlinkedAttributes?
+  /// Set when the directory was removed while the kernel still held it (an open descriptor, a
+  /// working directory): it answers as an empty directory with no links until forgotten.
+  var removedDirectory: UnlinkedAttributes?
   /// Counts replacements of the content that did not pass through the kernel (a remote
   /// version); a handle remembers the epoch it was opened in.
   var contentEpoch: UInt64 = 0
@@ -63,7 +66,7 @@ struct InodeState {
   /// count alone (what almost every inode the kernel knows has, after a `find` of a big tree).
   var isLookupsOnly: Bool {
     handles.isEmpty && writers == 0 && dirtyHandles == 0 && generation == 0 && snapshots == 0
-      && pendingMtimeNs == nil && unlinked == nil && contentEpoch == 0 && !pagesMayBeStale
+      && pendingMtimeNs == nil && unlinked == nil && removedDirectory == nil && contentEpoch == 0 && !pagesMayBeStale
       && !pageDropQueued
   }
 }
@@ -210,6 +213,26 @@ public final class InodeTable: @unchecked Sendable {
 
   /// The attributes of an unlinked file that is still open.
   public func unlinkedAttributes(_ inode: Int64) -> UnlinkedAttributes? { read(inode) { $0.unlinked } }
+
+  /// Notes that directory `inode` was removed with `attributes`, if the kernel still holds an
+  /// entry of it; its state then lives until the kernel forgets it.
+  public func directoryRemoved(_ inode: Int64, _ attributes: UnlinkedAttributes) {
+    update(inode) { if $0.lookups > 0 { $0.removedDirectory = attributes } }
+  }
+
+  /// The attributes of a removed directory the kernel still holds (nil: not such a one).
+  public func removedDirectoryAttributes(_ inode: Int64) -> UnlinkedAttributes? {
+    read(inode) { $0.removedDirectory }
+  }
+
+  /// Changes the attributes of a removed directory the kernel still holds (fchmod on it).
+  public func changeRemovedDirectory(_ inode: Int64, _ change: (inout UnlinkedAttributes) -> Void) {
+    update(inode) { state in
+      guard var a = state.removedDirectory else { return }
+      change(&a)
+      state.removedDirectory = a
+    }
+  }
 
   /// The item is gone for good (inodes are never reused) and no handle holds it: its state
   /// goes, but for the kernel's entries, which stay counted until it forgets them.

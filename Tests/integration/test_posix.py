@@ -329,6 +329,37 @@ def test_documents_cannot_be_removed(ubiq):
 # ---------------------------------------------------------------------------- rename
 
 
+def test_a_removed_directory_stays_usable_through_what_still_refers_to_it_as_on_ext4(ubiq, tmp_path):
+    """ext4 (tmp_path) is the oracle: a directory removed while open (or while it is a
+    process's working directory) answers fstat (no links), an empty listing, fchmod, fsync and
+    flistxattr; `ls` in it lists nothing and succeeds."""
+    results = {}
+    for where in (tmp_path, ubiq.docs):
+        got = {}
+        os.mkdir(where / "gd")
+        fd = os.open(where / "gd", os.O_RDONLY | os.O_DIRECTORY)
+        os.rmdir(where / "gd")
+        try:
+            for name, call in [
+                ("fstat links", lambda: os.fstat(fd).st_nlink),
+                ("listing", lambda: os.listdir(fd)),
+                ("fchmod", lambda: os.chmod(fd, 0o700) or stat.S_IMODE(os.fstat(fd).st_mode)),
+                ("fsync", lambda: os.fsync(fd)),
+                ("flistxattr", lambda: [n for n in os.listxattr(fd) if not n.startswith("user.ubiq.")]),
+            ]:
+                try:
+                    got[name] = call()
+                except OSError as e:
+                    got[name] = errno.errorcode[e.errno]
+        finally:
+            os.close(fd)
+        os.mkdir(where / "cwd")
+        cp = subprocess.run(["sh", "-c", "cd cwd && rmdir ../cwd && ls -a ."], cwd=where, capture_output=True, text=True)
+        got["ls in a removed cwd"] = (cp.returncode, cp.stdout)
+        results[where] = got
+    assert results[ubiq.docs] == results[tmp_path], results
+
+
 def test_rename_file(ubiq):
     write_file(ubiq.docs / "a.txt", "A")
     os.mkdir(ubiq.docs / "sub")
