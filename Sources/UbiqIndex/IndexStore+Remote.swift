@@ -200,7 +200,10 @@ extension IndexStore {
         changeSeq: other.etag.flatMap { Int64($0) },
         placeFromCloud: otherBase.map { !$0.deleted && $0.parentID == parentItemID && $0.name == other.name } ?? false,
         laterInCloud: later.flatMap { later in
-          later.deleted ? .deleted : later.parentID != parentItemID || later.name != name ? .moved : nil
+          if later.deleted { return .deleted }
+          // A temporary name is no place to go: the item is on its way to another.
+          if ItemName.isAside(later.name, itemID: later.itemID) { return nil }
+          return later.parentID != parentItemID || later.name != name ? .moved : nil
         })
       switch RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan) {
       case .deferRecord:
@@ -220,6 +223,15 @@ extension IndexStore {
         other.name = Self.parkedName(other.itemID)
         following = (other, later)
         stale += [(parent, r.name)]
+      case .holderStepsAside:
+        let moved = try Self.freeName(db, parent, other.name)
+        try db.execute(
+          sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+          arguments: [moved, self.clock.nowNs(), otherID])
+        try Self.rebasePlace(db, otherID, parentID: parentItemID, name: moved)
+        try Self.noteAutomaticRename(db, otherID)
+        try self.enqueue(db, otherID)
+        stale += [(parent, other.name), (parent, moved)]
       case .holderYields:
         let moved = try Self.freeName(db, parent, other.name)
         try db.execute(
@@ -262,7 +274,7 @@ extension IndexStore {
         try Self.noteAutomaticRename(db, row.id!)
         try self.enqueue(db, row.id!)
       }
-      if let following, let placed = try placeParked(db, following.row, as: following.record) {
+      if let following, let placed = try placeParked(db, following.row, as: following.record, rebasing: true) {
         stale += placed.staleEntries
       }
       return RemoteApplyResult(outcome: .updated(contentChanged: contentChanged), inode: row.id, staleEntries: stale)
@@ -281,7 +293,7 @@ extension IndexStore {
       try Self.noteAutomaticRename(db, row.id!)
       try self.enqueue(db, row.id!)
     }
-    if let following, let placed = try placeParked(db, following.row, as: following.record) {
+    if let following, let placed = try placeParked(db, following.row, as: following.record, rebasing: true) {
       stale += placed.staleEntries
     }
     return RemoteApplyResult(outcome: .created, inode: row.id, staleEntries: stale + [(parent, name)])
@@ -403,6 +415,19 @@ extension IndexStore {
     }
   }
 
+  /// Makes the place of item `id`'s base (its last cloud version) `parentID`/`name`: a place
+  /// sync gave the item for the cloud's sake (it left its name there), which the merge of its
+  /// own changes with its cloud version must not take for the user's move; the cloud's place
+  /// wins there.
+  static func rebasePlace(_ db: Database, _ id: Int64, parentID: String, name: String) throws {
+    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id]),
+      var base = row.baseItem
+    else { return }
+    base.parentID = parentID
+    base.name = name
+    try db.execute(sql: "UPDATE items SET base = ? WHERE id = ?", arguments: [ItemRow.json(base), id])
+  }
+
   /// The held record of `row`'s item that is newer than its version here, if there is one.
   static func heldRecord(_ db: Database, of row: ItemRow) throws -> CloudItem? {
     guard
@@ -455,9 +480,16 @@ extension IndexStore {
   /// Gives parked item `row` the place its record `r` has, if that folder is here and the name
   /// is free there (a folder only within its own folder: a rename cannot close a loop), or
   /// else the name it had, or "name 2.ext" if that is taken (a name the naming rule changes,
-  /// which goes to the cloud). Nil if the row has no place to go back to.
-  func placeParked(_ db: Database, _ row: ItemRow, as r: CloudItem) throws -> RemoteApplyResult? {
+  /// which goes to the cloud). `rebasing`: the place is the cloud's, not the user's, also for
+  /// the merge of the row's own changes (`rebasePlace`). Nil if the row has no place to go
+  /// back to.
+  func placeParked(_ db: Database, _ row: ItemRow, as r: CloudItem, rebasing: Bool = false) throws
+    -> RemoteApplyResult?
+  {
     guard let id = row.id, let parent = row.parent, let had = row.baseItem?.name else { return nil }
+    func itemID(of folder: Int64) throws -> String? {
+      try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [folder])
+    }
     func isFree(_ folder: Int64, _ name: String) throws -> Bool {
       try Self.childID(db, folder, name).map { $0 == id } ?? true
     }
@@ -466,6 +498,9 @@ extension IndexStore {
       row.kind != .directory || folder == parent, try isFree(folder, r.name)
     {
       try db.execute(sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [folder, r.name, id])
+      if rebasing, let folderID = try itemID(of: folder) {
+        try Self.rebasePlace(db, id, parentID: folderID, name: r.name)
+      }
       return RemoteApplyResult(
         outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (folder, r.name)])
     }
@@ -480,6 +515,7 @@ extension IndexStore {
       try Self.noteAutomaticRename(db, id)
       try self.enqueue(db, id)
     }
+    if rebasing, let folderID = try itemID(of: parent) { try Self.rebasePlace(db, id, parentID: folderID, name: name) }
     return RemoteApplyResult(
       outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)])
   }

@@ -213,6 +213,9 @@ public enum RemotePlanner {
     case holderFollowsItsRecord
     /// The holder becomes "name 2" (and uploads that), the record takes the name.
     case holderYields
+    /// The holder, which left the name in the cloud, takes "name 2" here until its merge with
+    /// its cloud version: a place no user chose, so the cloud's place wins there.
+    case holderStepsAside
     /// The record's item becomes "name 2" here (and uploads that).
     case recordYields
   }
@@ -225,8 +228,10 @@ public enum RemotePlanner {
   /// The cloud gives a name in a folder to one item at a time: a record newer than the version
   /// that put the holder at the name (with no move made here) means the holder left it in the
   /// cloud (moved or deleted; `mv a t; mv b a; mv t b` elsewhere). The name is the record's;
-  /// the holder goes where its newer record puts it, or, where that is not known here,
-  /// yields (its own record, when merged, still moves it).
+  /// the holder goes where its held newer record puts it (`laterInCloud`, which a temporary
+  /// "(moving ...)" name does not tell), or steps aside as "name 2" where that is not known
+  /// here or that place is taken. Either place is the cloud's, not a user's: the merge of the
+  /// holder's own changes with its cloud version takes the cloud's place.
   public static func settleName(
     record: CloudItem, holder: NameHolder, policy: IndexStore.NameCollisionPolicy, ownOrphan: Bool
   ) -> NameOutcome {
@@ -238,11 +243,11 @@ public enum RemotePlanner {
     if holder.placeFromCloud && holderSeq < record.changeSeq && !ownOrphan {
       switch holder.laterInCloud {
       case .moved: return .holderFollowsItsRecord
-      case .deleted: return .holderYields
+      case .deleted: return .holderStepsAside
       case nil:
         // Its newer record may come later in this pull (on a later page, when it changed
-        // again); once the whole feed is read, it yields.
-        if case .settle = policy { return .holderYields }
+        // again); once the whole feed is read, it steps aside.
+        if case .settle = policy { return .holderStepsAside }
         return .deferRecord
       }
     }

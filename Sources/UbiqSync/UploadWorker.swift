@@ -971,7 +971,7 @@ public final class UploadWorker: @unchecked Sendable {
   /// name after that item left it there (names swapped elsewhere). The item's newer version
   /// is fetched and held, so that adopting the merge moves it where the cloud has it
   /// (`RemotePlanner.settleName`) instead of settling a new name for either. Without an
-  /// answer the naming rule decides alone; the pull corrects it.
+  /// answer the holder steps aside as "name 2" until its own merge takes the cloud's place.
   func learnWhereTheNameHolderWent(_ merged: CloudItem) async {
     do {
       guard let holder = try index.staleNameHolder(of: merged),

@@ -684,13 +684,14 @@ final class SyncSimulation {
   /// put it last, but for what the rules change (`checkMoves`).
   var moves: [String: [(device: Int, step: Int, from: Place, to: Place, isFolder: Bool)]] = [:]
   /// The places users gave items, by place: for each, the items a user step put there (made
-  /// there, renamed or moved there), with the step; an item's claim on a place lasts until a
-  /// user step gives it another one (`placeClaims`), also when it is removed (an edit made
+  /// there, renamed or moved there), with the device and the step; an item's claim on a place
+  /// lasts until a user step of the same device gives it another one (`placeClaims`; another
+  /// device's move of it is concurrent and may lose), also when it is removed (an edit made
   /// elsewhere may bring it back). Sync settles a collision ("name 2") only where two items'
   /// claims on a name overlapped (`nameWasWanted`).
-  var claims: [Place: [(item: String, step: Int)]] = [:]
-  /// The steps at which user steps gave each item a place, in order.
-  var placeClaims: [String: [Int]] = [:]
+  var claims: [Place: [(item: String, device: Int, step: Int)]] = [:]
+  /// The devices and steps of the user steps that gave each item a place, in order.
+  var placeClaims: [String: [(device: Int, step: Int)]] = [:]
   /// Handles each device holds open for writing, with their inodes.
   var open: [[(UInt64, Int64)]]
   nonisolated(unsafe) static var stats: [String: Int] = [:]
@@ -1209,8 +1210,8 @@ final class SyncSimulation {
       for (id, now) in after.sorted(by: { $0.key < $1.key }) {
         let was = before[id]
         guard was == nil || was!.parent != now.parent || was!.name != now.name else { continue }
-        claims[Place(parent: now.parent, name: now.name), default: []].append((id, step))
-        placeClaims[id, default: []].append(step)
+        claims[Place(parent: now.parent, name: now.name), default: []].append((id, d, step))
+        placeClaims[id, default: []].append((d, step))
         guard let was else { continue }
         moves[id, default: []].append(
           (d, step, Place(parent: was.parent, name: was.name), Place(parent: now.parent, name: now.name), now.isFolder))
@@ -1629,15 +1630,17 @@ final class SyncSimulation {
   }
 
   /// Whether another item wanted `place` while `item` did: a user step put each there, and
-  /// neither was given another place before the other came. Only then may sync settle a
+  /// neither was given another place by the same device before the other came. Only then may sync settle a
   /// collision on that name.
   func nameWasWanted(_ place: Place, by item: String) -> Bool {
     let wanted = claims[place] ?? []
-    func until(_ id: String, _ from: Int) -> Int { placeClaims[id]?.first(where: { $0 > from }) ?? Int.max }
+    func until(_ id: String, _ device: Int, _ from: Int) -> Int {
+      placeClaims[id]?.first(where: { $0.device == device && $0.step > from })?.step ?? Int.max
+    }
     return wanted.filter { $0.item == item }.contains { mine in
-      let mineUntil = until(item, mine.step)
+      let mineUntil = until(item, mine.device, mine.step)
       return wanted.contains { other in
-        other.item != item && other.step < mineUntil && mine.step < until(other.item, other.step)
+        other.item != item && other.step < mineUntil && mine.step < until(other.item, other.device, other.step)
       }
     }
   }
@@ -1755,6 +1758,38 @@ final class SyncSimulation {
       (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 5, 0, 3, 0), (0, 5, 1, 0, 0),
       (0, 5, 3, 1, 0), (1, 0, 1, 0, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0), (0, 6, 3, 3, 0), (0, 8, 3, 3, 0),
       (1, 8, 3, 3, 0), (1, 6, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
+    // Device 1 edits f and pulls device 0's swap: f follows its held record to g. Device 0
+    // then moves it on to h before device 1 uploads: the followed place is the cloud's, not
+    // device 1's move, so the merge keeps h (found by a review).
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (1, 0, 0, 0, 0), (0, 5, 0, 3, 0),
+      (0, 5, 1, 0, 0), (0, 5, 3, 1, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 8, 3, 3, 0), (0, 5, 1, 2, 0),
+      (0, 6, 3, 3, 0), (1, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
+    // Device 0 moves f into a new folder d and g to f; d's record comes after g's (d changed
+    // again). Device 1, which edited f, cannot follow into d yet: it steps aside as "f 2", a
+    // place that is no user's, and its merge takes d/f (found by a review).
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (1, 0, 0, 0, 0), (0, 3, 2, 0, 0),
+      (0, 5, 0, 4, 0), (0, 5, 1, 0, 0), (0, 6, 3, 3, 0), (0, 16, 2, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0),
+      (1, 6, 3, 3, 0), (1, 8, 3, 3, 0), (0, 8, 3, 3, 0),
+    ],
+    // The swap's first commit steps aside ("g (moving ...)"), and device 1 pulls before the
+    // retry: a temporary name is no place to follow (found by a review).
+    [
+      (0, 0, 0, 0, 0), (0, 0, 1, 0, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (1, 0, 0, 0, 0), (0, 5, 0, 3, 0),
+      (0, 5, 1, 0, 0), (0, 5, 3, 1, 0), (0, 6, 3, 3, 0), (1, 8, 3, 3, 0), (1, 6, 3, 3, 0), (1, 8, 3, 3, 0),
+      (0, 8, 3, 3, 0),
+    ],
+    // Devices 1 and 2 move folder e/d concurrently (to f, and into d/d); device 0 renames d to
+    // f before it sees either. Device 1's move reaches the cloud first, so d's rename meets a
+    // taken f and settles as "f 2"; device 2's move then takes e/d out of f. The collision was
+    // real when it was settled (the simulation's check once took device 2's move for the end of
+    // device 1's claim on f; folder soak, seed 4qIWkNmC09xeSUUy69xQrZZe0UFnOkntAGn+G4CuzZA=).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 5, 9, 0, 0), (2, 18, 9, 10, 0), (1, 25, 2, 2, 3), (0, 5, 2, 0, 0),
     ],
     // The same swap while device 1 edits f only and commits before it pulls: the merge of f
     // takes g from device 1's unchanged g.

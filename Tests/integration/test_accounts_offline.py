@@ -207,3 +207,33 @@ def test_names_swapped_on_one_device_while_the_other_edits_stay_swapped(pair, ed
             wait_for(lambda: read(u.docs / name) == data, timeout=20,
                      what=f"{name} on {u.root.name}: {read(u.docs / name)!r}")
     assert a.item_id(a.docs / "a.txt") == b.item_id(b.docs / "a.txt")
+
+
+def test_names_rotated_on_one_device_while_the_other_edits_one_offline_stay_rotated(pair):
+    """A rotates three names (a->b, b->c, c->a) while the server is down; B, offline too, appends
+    to b, and comes back only after A's rotation is in the cloud. Every device shows the
+    rotation, B's line went with its file, and no "x 2" appears."""
+    a, b = pair
+    for name in ("a", "b", "c"):
+        (a.docs / name).write_text(f"{name}\n")
+    settle(a, b)
+    wait_for(lambda: sorted(os.listdir(b.docs)) == ["a", "b", "c"], what="a, b and c on b")
+    assert read(b.docs / "b") == b"b\n"  # downloaded: an evicted file cannot be opened offline
+    with Offline(a, b):
+        os.rename(a.docs / "a", a.docs / "t")
+        os.rename(a.docs / "c", a.docs / "a")
+        os.rename(a.docs / "b", a.docs / "c")
+        os.rename(a.docs / "t", a.docs / "b")
+        with open(b.docs / "b", "a") as f:
+            f.write("B's line\n")
+        b.unmount()
+    a.sync(timeout=60)
+    b.mount(*DELAY)
+    settle(a, b, rounds=3)
+    expected = {"a": b"c\n", "b": b"a\n", "c": b"b\nB's line\n"}
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["a", "b", "c"], timeout=20,
+                 what=f"the three names on {u.root.name}: {sorted(os.listdir(u.docs))}")
+        for name, data in expected.items():
+            wait_for(lambda: read(u.docs / name) == data, timeout=20,
+                     what=f"{name} on {u.root.name}: {read(u.docs / name)!r}")

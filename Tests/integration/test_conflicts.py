@@ -354,3 +354,39 @@ def test_a_folder_moved_up_and_then_removed_with_its_parent_stays_removed(pair):
         wait_for(lambda: tree(u) == {"keep.txt": b"keep\n"}, timeout=20, what=f"e gone on {u.root.name}: {tree(u)}")
         status = u.status()[0]
         assert status["queue"]["pendingItems"] == 0 and not status["queue"]["failing"], status
+
+
+def test_a_swap_that_arrives_while_the_moved_file_is_open_for_writing_keeps_its_names(pair):
+    """B appends to a every 100 ms while A swaps a and b (mv a t; mv b a; mv t b). Once the
+    writer closes and everything syncs, every device shows the swap with all of B's lines in
+    the file now called b: no temporary "(moving ...)" name stays."""
+    import threading
+
+    a, b = pair
+    (a.docs / "a").write_text("a\n")
+    (a.docs / "b").write_text("b\n")
+    settle(a, b)
+    wait_for(lambda: sorted(os.listdir(b.docs)) == ["a", "b"], what="a and b on b")
+    assert read(b.docs / "a") == b"a\n"
+
+    def append():
+        with open(b.docs / "a", "a") as f:
+            for i in range(40):
+                f.write(f"line{i}\n")
+                f.flush()
+                time.sleep(0.1)
+
+    writer = threading.Thread(target=append)
+    writer.start()
+    time.sleep(1)
+    os.rename(a.docs / "a", a.docs / "t")
+    os.rename(a.docs / "b", a.docs / "a")
+    os.rename(a.docs / "t", a.docs / "b")
+    writer.join()
+    settle(a, b, rounds=3)
+    lines = b"a\n" + b"".join(f"line{i}\n".encode() for i in range(40))
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["a", "b"], timeout=30,
+                 what=f"the two names on {u.root.name}: {sorted(os.listdir(u.docs))}")
+        wait_for(lambda: read(u.docs / "b") == lines and read(u.docs / "a") == b"b\n", timeout=30,
+                 what=f"the swapped files on {u.root.name}")
