@@ -80,15 +80,41 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
     try w.core.rename(parent: p, name: n, newParent: q, newName: m, flags: [])
   }
 
+  /// Files `names` (each holding its name in capitals) made on `a`, uploaded and pulled by `b`.
+  static func synced(_ a: CoreWorld, _ b: CoreWorld, _ names: [String]) throws {
+    for n in names { try a.writeFile(n, Data(n.uppercased().utf8)) }
+    try a.drainUploads()
+    try b.pull()
+  }
+
+  /// `mv f e; mv g f; mv e g` on `w`.
+  static func swapFG(_ w: CoreWorld) throws {
+    try rename(w, "f", "e")
+    try rename(w, "g", "f")
+    try rename(w, "e", "g")
+  }
+
+  /// `mv a t; mv b a; mv c b; mv t c` on `w`.
+  static func rotateABC(_ w: CoreWorld) throws {
+    try rename(w, "a", "t")
+    try rename(w, "b", "a")
+    try rename(w, "c", "b")
+    try rename(w, "t", "c")
+  }
+
+  /// Both devices settle and show `expected`.
+  static func expectBoth(_ a: CoreWorld, _ b: CoreWorld, _ expected: [String]) throws {
+    try settle([a, b])
+    #expect(try tree(a) == expected)
+    #expect(try tree(b) == expected)
+  }
+
   /// The holder on B has a local edit; A moves it into a new folder whose record comes after the
   /// record that takes its name (the folder changed again).
   @Test func holderWithEditFollowsIntoAFolderNotHereYet() async throws {
     try await onOwnThread {
       let (a, b, _) = try CoreWorld.pair()
-      try a.writeFile("f", Data("F".utf8))
-      try a.writeFile("g", Data("G".utf8))
-      try a.drainUploads()
-      try b.pull()
+      try Self.synced(a, b, ["f", "g"])
       try b.writeFile("f", Data("F-edited-on-b".utf8))
       _ = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current)
       try Self.rename(a, "f", "d/f")
@@ -97,9 +123,7 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
       _ = try a.core.setattr(try a.inode("d")!, AttributeUpdate(mode: 0o700))
       try a.drainUploads()
       try b.pull()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["d/ (700)", "d/f = F-edited-on-b", "f = G"])
-      #expect(try Self.tree(b) == ["d/ (700)", "d/f = F-edited-on-b", "f = G"])
+      try Self.expectBoth(a, b, ["d/ (700)", "d/f = F-edited-on-b", "f = G"])
     }
   }
 
@@ -107,19 +131,12 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
   @Test func holderWithEditFollowsAnAsideName() async throws {
     try await onOwnThread {
       let (a, b, _) = try CoreWorld.pair()
-      try a.writeFile("f", Data("F".utf8))
-      try a.writeFile("g", Data("G".utf8))
-      try a.drainUploads()
-      try b.pull()
+      try Self.synced(a, b, ["f", "g"])
       try b.writeFile("f", Data("F-edited-on-b".utf8))
-      try Self.rename(a, "f", "e")
-      try Self.rename(a, "g", "f")
-      try Self.rename(a, "e", "g")
+      try Self.swapFG(a)
       try a.drainUploadsOnce()
       try b.pull()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["f = G", "g = F-edited-on-b"])
-      #expect(try Self.tree(b) == ["f = G", "g = F-edited-on-b"])
+      try Self.expectBoth(a, b, ["f = G", "g = F-edited-on-b"])
     }
   }
 
@@ -127,19 +144,12 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
   @Test func rotationOfThreeWhileTheOtherEditsAll() async throws {
     try await onOwnThread {
       let (a, b, _) = try CoreWorld.pair()
-      for n in ["a", "b", "c"] { try a.writeFile(n, Data(n.uppercased().utf8)) }
-      try a.drainUploads()
-      try b.pull()
-      try Self.rename(a, "a", "t")
-      try Self.rename(a, "b", "a")
-      try Self.rename(a, "c", "b")
-      try Self.rename(a, "t", "c")
+      try Self.synced(a, b, ["a", "b", "c"])
+      try Self.rotateABC(a)
       try a.drainUploads()
       for n in ["a", "b", "c"] { try b.writeFile(n, Data((n.uppercased() + "-edited").utf8)) }
       try b.drainUploads()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["a = B-edited", "b = C-edited", "c = A-edited"])
-      #expect(try Self.tree(b) == ["a = B-edited", "b = C-edited", "c = A-edited"])
+      try Self.expectBoth(a, b, ["a = B-edited", "b = C-edited", "c = A-edited"])
     }
   }
 
@@ -147,19 +157,12 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
   @Test func rotationOfThreeWhileTheOtherEditsOneAndPulls() async throws {
     try await onOwnThread {
       let (a, b, _) = try CoreWorld.pair()
-      for n in ["a", "b", "c"] { try a.writeFile(n, Data(n.uppercased().utf8)) }
-      try a.drainUploads()
-      try b.pull()
-      try Self.rename(a, "a", "t")
-      try Self.rename(a, "b", "a")
-      try Self.rename(a, "c", "b")
-      try Self.rename(a, "t", "c")
+      try Self.synced(a, b, ["a", "b", "c"])
+      try Self.rotateABC(a)
       try a.drainUploads()
       try b.writeFile("a", Data("A-edited".utf8))
       try b.pull()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["a = B", "b = C", "c = A-edited"])
-      #expect(try Self.tree(b) == ["a = B", "b = C", "c = A-edited"])
+      try Self.expectBoth(a, b, ["a = B", "b = C", "c = A-edited"])
     }
   }
 
@@ -177,9 +180,7 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
       try Self.rename(a, "g", "d")
       try a.drainUploads()
       try b.pull()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["d = G", "x/ (755)", "x/d/ (700)"])
-      #expect(try Self.tree(b) == ["d = G", "x/ (755)", "x/d/ (700)"])
+      try Self.expectBoth(a, b, ["d = G", "x/ (755)", "x/d/ (700)"])
     }
   }
 
@@ -190,22 +191,15 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
       let failing = ItemLookupFails(engine)
       let a = try CoreWorld(cloud: engine)
       let b = try CoreWorld(cloud: failing)
-      try a.writeFile("f", Data("F".utf8))
-      try a.writeFile("g", Data("G".utf8))
-      try a.drainUploads()
-      try b.pull()
-      try Self.rename(a, "f", "e")
-      try Self.rename(a, "g", "f")
-      try Self.rename(a, "e", "g")
+      try Self.synced(a, b, ["f", "g"])
+      try Self.swapFG(a)
       try a.drainUploads()
       try b.writeFile("f", Data("F-edited".utf8))
       try b.writeFile("g", Data("G-edited".utf8))
       failing.lock.withLock { failing.failItem = true }
       try b.drainUploads()
       failing.lock.withLock { failing.failItem = false }
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["f = G-edited", "g = F-edited"])
-      #expect(try Self.tree(b) == ["f = G-edited", "g = F-edited"])
+      try Self.expectBoth(a, b, ["f = G-edited", "g = F-edited"])
     }
   }
 
@@ -213,23 +207,16 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
   @Test func followedPlaceIsTakenForALocalMoveByTheMerge() async throws {
     try await onOwnThread {
       let (a, b, _) = try CoreWorld.pair()
-      try a.writeFile("f", Data("F".utf8))
-      try a.writeFile("g", Data("G".utf8))
-      try a.drainUploads()
-      try b.pull()
+      try Self.synced(a, b, ["f", "g"])
       try b.writeFile("f", Data("F-edited-on-b".utf8))
-      try Self.rename(a, "f", "e")
-      try Self.rename(a, "g", "f")
-      try Self.rename(a, "e", "g")
+      try Self.swapFG(a)
       try a.drainUploads()
       try b.pull()
       try a.pull()
       try Self.rename(a, "g", "h")
       try a.drainUploads()
       try b.drainUploads()
-      try Self.settle([a, b])
-      #expect(try Self.tree(a) == ["f = G", "h = F-edited-on-b"])
-      #expect(try Self.tree(b) == ["f = G", "h = F-edited-on-b"])
+      try Self.expectBoth(a, b, ["f = G", "h = F-edited-on-b"])
     }
   }
 }
