@@ -274,6 +274,14 @@ public final class FilesystemCore: @unchecked Sendable {
     onQueued()
   }
 
+  /// The row of `inode`, or nil for a directory removed while the kernel still holds it (it
+  /// answers as an empty directory with no links). Throws `notFound` for anything else gone.
+  func rowUnlessRemovedDirectory(_ inode: Int64) throws -> ItemRow? {
+    if let row = try index.item(inode) { return row }
+    if inodes.removedDirectoryAttributes(inode) != nil { return nil }
+    throw UbiqError.notFound("inode \(inode)")
+  }
+
   /// The attributes of a directory removed while the kernel still holds it (an open
   /// descriptor, a working directory): as on ext4, an empty directory with no links.
   func removedDirectoryAttributes(_ inode: Int64) -> FileAttributes? {
@@ -345,10 +353,7 @@ public final class FilesystemCore: @unchecked Sendable {
   // MARK: - directories
 
   public func opendir(_ inode: Int64) throws {
-    guard let dir = try index.item(inode) else {
-      if inodes.removedDirectoryAttributes(inode) != nil { return }
-      throw UbiqError.notFound("inode \(inode)")
-    }
+    guard let dir = try rowUnlessRemovedDirectory(inode) else { return }
     guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
   }
 
@@ -359,11 +364,8 @@ public final class FilesystemCore: @unchecked Sendable {
     var offset = offset
     if offset < 2 {
       // Past "." and "..", the folder's own row is not needed: the entries are its children.
-      guard let dir = try index.item(inode) else {
-        // A removed directory lists nothing, as on ext4.
-        if inodes.removedDirectoryAttributes(inode) != nil { return }
-        throw UbiqError.notFound("inode \(inode)")
-      }
+      // A removed directory lists nothing, as on ext4.
+      guard let dir = try rowUnlessRemovedDirectory(inode) else { return }
       guard dir.isDirectory else { throw UbiqError.notDirectory(dir.name) }
       if offset < 1 {
         var a = attributes(for: dir)

@@ -88,11 +88,8 @@ struct XattrSurface {
   }
 
   func list(_ inode: Int64, size: Int) throws -> XattrAnswer {
-    guard let row = try fs.index.item(inode) else {
-      // A removed directory the kernel still holds has none.
-      if fs.removedDirectoryAttributes(inode) != nil { return size == 0 ? .size(0) : .value(Data()) }
-      throw UbiqError.notFound("inode \(inode)")
-    }
+    // A removed directory the kernel still holds has none.
+    guard let row = try fs.rowUnlessRemovedDirectory(inode) else { return size == 0 ? .size(0) : .value(Data()) }
     var names = try fs.index.xattrNames(row.id!)
     // The kernel refuses user.* attributes on symlinks, so list none there.
     if row.kind != .symlink {

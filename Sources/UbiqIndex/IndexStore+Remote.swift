@@ -193,19 +193,19 @@ extension IndexStore {
     {
       let otherQueued =
         try Bool.fetchOne(db.cached("SELECT 1 FROM uploadQueue WHERE item = ?"), arguments: [otherID]) == true
-      let otherBase = other.baseItem
       let later = try Self.heldRecord(db, of: other)
       let holder = RemotePlanner.NameHolder(
         itemID: other.itemID, unchanged: other.etag != nil && other.revision == other.syncedRevision && !otherQueued,
         changeSeq: other.etag.flatMap { Int64($0) },
-        placeFromCloud: otherBase.map { !$0.deleted && $0.parentID == parentItemID && $0.name == other.name } ?? false,
+        placeFromCloud: Self.isWhereItsCloudVersionPutIt(other, parentID: parentItemID),
         laterInCloud: later.flatMap { later in
           if later.deleted { return .deleted }
           // A temporary name is no place to go: the item is on its way to another.
           if ItemName.isAside(later.name, itemID: later.itemID) { return nil }
           return later.parentID != parentItemID || later.name != name ? .moved : nil
         })
-      switch RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan) {
+      let outcome = RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan)
+      switch outcome {
       case .deferRecord:
         return RemoteApplyResult(outcome: .deferred)
       case .parkHolder:
@@ -223,22 +223,9 @@ extension IndexStore {
         other.name = Self.parkedName(other.itemID)
         following = (other, later)
         stale += [(parent, r.name)]
-      case .holderStepsAside:
-        let moved = try Self.freeName(db, parent, other.name)
-        try db.execute(
-          sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [moved, self.clock.nowNs(), otherID])
-        try Self.rebasePlace(db, otherID, parentID: parentItemID, name: moved)
-        try Self.noteAutomaticRename(db, otherID)
-        try self.enqueue(db, otherID)
-        stale += [(parent, other.name), (parent, moved)]
-      case .holderYields:
-        let moved = try Self.freeName(db, parent, other.name)
-        try db.execute(
-          sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-          arguments: [moved, self.clock.nowNs(), otherID])
-        try Self.noteAutomaticRename(db, otherID)
-        try self.enqueue(db, otherID)
+      case .holderYields, .holderStepsAside:
+        let moved = try settleUnderFreeName(db, otherID, in: parent, from: other.name)
+        if outcome == .holderStepsAside { try Self.rebasePlace(db, other, parentID: parentItemID, name: moved) }
         stale += [(parent, other.name), (parent, moved)]
       case .recordYields:
         name = try Self.freeName(db, parent, r.name, except: local?.id)
@@ -408,24 +395,40 @@ extension IndexStore {
         let id = try Self.childID(db, parent, record.name),
         let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id]),
         row.itemID != record.itemID, let seq = row.etag.flatMap({ Int64($0) }), seq < record.changeSeq,
-        let base = row.baseItem, !base.deleted, base.parentID == parentID, base.name == row.name,
-        try Self.heldRecord(db, of: row) == nil
+        Self.isWhereItsCloudVersionPutIt(row, parentID: parentID), try Self.heldRecord(db, of: row) == nil
       else { return nil }
       return (row.itemID, seq)
     }
   }
 
-  /// Makes the place of item `id`'s base (its last cloud version) `parentID`/`name`: a place
-  /// sync gave the item for the cloud's sake (it left its name there), which the merge of its
-  /// own changes with its cloud version must not take for the user's move; the cloud's place
-  /// wins there.
-  static func rebasePlace(_ db: Database, _ id: Int64, parentID: String, name: String) throws {
-    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id]),
-      var base = row.baseItem
-    else { return }
+  /// Whether `row`, in the folder with item id `parentID`, is where its cloud version (its
+  /// base) put it: no rename or move made here.
+  static func isWhereItsCloudVersionPutIt(_ row: ItemRow, parentID: String) -> Bool {
+    row.baseItem.map { !$0.deleted && $0.parentID == parentID && $0.name == row.name } ?? false
+  }
+
+  /// Makes the place of `row`'s base (its last cloud version) `parentID`/`name`: a place sync
+  /// gave the item for the cloud's sake (it left its name there), which the merge of its own
+  /// changes with its cloud version must not take for the user's move; the cloud's place wins
+  /// there.
+  static func rebasePlace(_ db: Database, _ row: ItemRow, parentID: String, name: String) throws {
+    guard let id = row.id, var base = row.baseItem else { return }
     base.parentID = parentID
     base.name = name
     try db.execute(sql: "UPDATE items SET base = ? WHERE id = ?", arguments: [ItemRow.json(base), id])
+  }
+
+  /// Gives item `id` in folder `parent` the first free "name 2.ext" made from `name`, as a local
+  /// revision that goes to the cloud, noted as a name sync chose (`noteAutomaticRename`).
+  /// Returns the new name.
+  func settleUnderFreeName(_ db: Database, _ id: Int64, in parent: Int64, from name: String) throws -> String {
+    let free = try Self.freeName(db, parent, name)
+    try db.execute(
+      sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
+      arguments: [free, self.clock.nowNs(), id])
+    try Self.noteAutomaticRename(db, id)
+    try self.enqueue(db, id)
+    return free
   }
 
   /// The held record of `row`'s item that is newer than its version here, if there is one.
@@ -487,9 +490,6 @@ extension IndexStore {
     -> RemoteApplyResult?
   {
     guard let id = row.id, let parent = row.parent, let had = row.baseItem?.name else { return nil }
-    func itemID(of folder: Int64) throws -> String? {
-      try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [folder])
-    }
     func isFree(_ folder: Int64, _ name: String) throws -> Bool {
       try Self.childID(db, folder, name).map { $0 == id } ?? true
     }
@@ -498,9 +498,7 @@ extension IndexStore {
       row.kind != .directory || folder == parent, try isFree(folder, r.name)
     {
       try db.execute(sql: "UPDATE items SET parent = ?, name = ? WHERE id = ?", arguments: [folder, r.name, id])
-      if rebasing, let folderID = try itemID(of: folder) {
-        try Self.rebasePlace(db, id, parentID: folderID, name: r.name)
-      }
+      if rebasing { try Self.rebasePlace(db, row, parentID: folderID, name: r.name) }
       return RemoteApplyResult(
         outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (folder, r.name)])
     }
@@ -508,14 +506,9 @@ extension IndexStore {
     if try isFree(parent, had) {
       try db.execute(sql: "UPDATE items SET name = ? WHERE id = ?", arguments: [had, id])
     } else {
-      name = try Self.freeName(db, parent, had)
-      try db.execute(
-        sql: "UPDATE items SET name = ?, ctimeNs = ?, revision = revision + 1 WHERE id = ?",
-        arguments: [name, self.clock.nowNs(), id])
-      try Self.noteAutomaticRename(db, id)
-      try self.enqueue(db, id)
+      name = try settleUnderFreeName(db, id, in: parent, from: had)
     }
-    if rebasing, let folderID = try itemID(of: parent) { try Self.rebasePlace(db, id, parentID: folderID, name: name) }
+    if rebasing, let parentID = row.baseItem?.parentID { try Self.rebasePlace(db, row, parentID: parentID, name: name) }
     return RemoteApplyResult(
       outcome: .updated(contentChanged: false), inode: id, staleEntries: [(parent, row.name), (parent, name)])
   }

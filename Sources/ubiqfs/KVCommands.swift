@@ -152,12 +152,9 @@ extension KVSet {
       }
       return .int(i)
     }
+    let value: JSONValue
     do {
-      let value = try JSONDecoder().decode(JSONValue.self, from: Data(text.utf8))
-      try refuseInexactIntegers(in: text)
-      return value
-    } catch let error as UbiqError {
-      throw error
+      value = try JSONDecoder().decode(JSONValue.self, from: Data(text.utf8))
     } catch {
       guard let first = trimmed.first, "[{\"".contains(first) else { return .string(text) }
       var reason = "\(error)"
@@ -169,6 +166,8 @@ extension KVSet {
       reason = reason.replacingOccurrences(of: "\n", with: " ")
       throw UbiqError.invalidArgument("not valid JSON (\(reason)); give it as a JSON string to store it as text")
     }
+    try refuseInexactIntegers(in: text)
+    return value
   }
 }
 
