@@ -428,6 +428,14 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if item.itemID == WellKnownItem.root {
       throw CloudError.invalid("the container root cannot be written")
     }
+    // Only a file has content. Checked on writes, not in `brokenRule`: a record already stored
+    // with content on a folder still applies on every device.
+    if item.kind != .file && (!item.chunks.isEmpty || !(item.conflicts ?? []).isEmpty) {
+      throw CloudError.invalid("item \(item.itemID) is not a file: it has no chunks or conflict versions")
+    }
+    if item.kind == .directory && item.size != 0 {
+      throw CloudError.invalid("folder \(item.itemID) has size \(item.size): a folder's size is 0")
+    }
     switch item.brokenRule {
     case nil: return
     case .invalidID(let what): throw CloudError.invalidID(what)

@@ -185,6 +185,26 @@ def test_symlink_targets_and_extended_attributes_a_mount_cannot_show_are_refused
     assert put(api, dict(folder("x2", "x2"), xattrs={"user." + "n" * 250: b64(65536)})).status == 201
 
 
+def test_folders_and_symlinks_with_content_are_refused(api):
+    """Only a file has content: a folder with a size, chunks or conflict versions, or a symlink
+    with chunks, is a 400, never stored (a mount would show a folder's size as its st_size).
+    Chunks the account stored are used, so the refusal is the kind's, not the chunks'."""
+    api.ensure_container(C)
+    data = b"content"
+    assert api.put(f"/v1/chunks/{sha(data)}", data).status in (200, 201)
+    chunks = [{"hash": sha(data), "length": len(data)}]
+    version = {"versionID": "v1", "deviceID": "dev-test", "mtimeNs": 1, "size": len(data), "chunks": chunks}
+    error(put(api, dict(folder("x1", "x"), size=4096)), 400, "invalid")
+    error(put(api, dict(folder("x1", "x"), size=len(data), chunks=chunks)), 400, "invalid")
+    error(put(api, dict(folder("x1", "x"), conflicts=[version])), 400, "invalid")
+    link = item("l1", "l", kind=3, symlinkTarget="target", mode=0o777)
+    error(put(api, dict(link, size=len(data), chunks=chunks)), 400, "invalid")
+    for bad in ("x1", "l1"):
+        error(api.get(f"{CQ}/items/{bad}"), 404, "not_found")
+    assert put(api, folder("x1", "x")).status == 201
+    assert put(api, link).status == 201
+
+
 @pytest.mark.parametrize("route", [f"{CQ}/items/x1", f"{CQ}/kv/k", "/v1/chunks/" + "a" * 64])
 def test_a_malformed_chunked_body_gets_a_json_400(api, route):
     """A body sent with `Transfer-Encoding: chunked` whose chunk size is not hexadecimal is
