@@ -182,8 +182,7 @@ public enum RemotePlanner {
     public var laterInCloud: LaterVersion?
 
     public init(
-      itemID: String, unchanged: Bool, changeSeq: Int64?, placeFromCloud: Bool = false,
-      laterInCloud: LaterVersion? = nil
+      itemID: String, unchanged: Bool, changeSeq: Int64?, placeFromCloud: Bool, laterInCloud: LaterVersion? = nil
     ) {
       self.itemID = itemID
       self.unchanged = unchanged
@@ -220,18 +219,23 @@ public enum RemotePlanner {
     case recordYields
   }
 
-  /// The rule when a record's name is held by another item: the item that reached the cloud
-  /// later (or has not yet) yields, so every device, whatever order it sees the records in,
-  /// gives the name to the same item. `ownOrphan`: the record is this device's own commit for
-  /// an item it no longer has; it never takes a name from a local item.
+  /// The rule when a record's name is held by another item: the item whose claim on the name
+  /// reached the cloud later (or has not yet) yields, so every device, whatever order it sees
+  /// the records in and whether it commits or reads the feed first, gives the name to the same
+  /// item. `ownOrphan`: the record is this device's own commit for an item it no longer has; it
+  /// never takes a name from a local item.
   ///
-  /// The cloud gives a name in a folder to one item at a time: a record newer than the version
-  /// that put the holder at the name (with no move made here) means the holder left it in the
-  /// cloud (moved or deleted; `mv a t; mv b a; mv t b` elsewhere). The name is the record's;
-  /// the holder goes where its held newer record puts it (`laterInCloud`, which a temporary
-  /// "(moving ...)" name does not tell), or steps aside as "name 2" where that is not known
-  /// here or that place is taken. Either place is the cloud's, not a user's: the merge of the
-  /// holder's own changes with its cloud version takes the cloud's place.
+  /// The cloud gives a name in a folder to one item at a time. A holder that is not where its
+  /// cloud version put it (made, moved or renamed here, or named by this device's sync) claims
+  /// the name in a version the cloud has not taken: the record's item has the name there, and
+  /// the holder yields as "name 2", which is what the cloud would answer its commit. A holder
+  /// where its cloud version put it, met by a newer record, left the name in the cloud (moved or
+  /// deleted; `mv a t; mv b a; mv t b` elsewhere). The name is the record's; the holder goes
+  /// where its held newer record puts it (`laterInCloud`, which a temporary "(moving ...)" name
+  /// does not tell), or steps aside as "name 2" where that is not known here or that place is
+  /// taken. Either place is the cloud's, not a user's: the merge of the holder's own changes
+  /// with its cloud version takes the cloud's place. Met by an older record, the holder has the
+  /// name in the cloud now, and the record yields.
   public static func settleName(
     record: CloudItem, holder: NameHolder, policy: IndexStore.NameCollisionPolicy, ownOrphan: Bool
   ) -> NameOutcome {
@@ -239,8 +243,9 @@ public enum RemotePlanner {
     if case .moveAsideHolders(let moving) = policy, holder.unchanged, moving.contains(holder.itemID) {
       return .parkHolder
     }
+    if !holder.placeFromCloud { return ownOrphan ? .recordYields : .holderYields }
     let holderSeq = holder.changeSeq ?? Int64.max
-    if holder.placeFromCloud && holderSeq < record.changeSeq && !ownOrphan {
+    if holderSeq < record.changeSeq && !ownOrphan {
       switch holder.laterInCloud {
       case .moved: return .holderFollowsItsRecord
       case .deleted: return .holderStepsAside
@@ -251,6 +256,6 @@ public enum RemotePlanner {
         return .deferRecord
       }
     }
-    return holderSeq > record.changeSeq && !ownOrphan ? .holderYields : .recordYields
+    return .recordYields
   }
 }

@@ -220,3 +220,45 @@ final class ItemLookupFails: CloudService, @unchecked Sendable {
     }
   }
 }
+
+/// Two items want one name, one of them by a rename on a device that has not committed it: the
+/// item the cloud gave the name first keeps it on every device and is never renamed (its
+/// cloud version stays the one its own device wrote), and the rename becomes "name 2", whether
+/// the renaming device reads the feed before it commits (back from offline) or commits first.
+@Suite(.serialized) struct RenameOntoANameTakenElsewhereTests {
+  /// B renames g to f while A makes f (a new file, or a rename of h) and commits first; B then
+  /// pulls before it uploads (`pullFirst`), or uploads first.
+  @Test(arguments: [(true, false), (false, false), (true, true), (false, true)])
+  func theRenameThatReachesTheCloudLaterYields(pullFirst: Bool, byRename: Bool) async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      try NameHolderTests.synced(b, a, byRename ? ["g", "h"] : ["g"])
+      try NameHolderTests.rename(b, "g", "f")
+      if byRename {
+        try NameHolderTests.rename(a, "h", "f")
+      } else {
+        try a.writeFile("f", Data("F".utf8))
+      }
+      try a.drainUploads()
+      let itemID = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+      let container = a.container
+      let before = try #require(try runBlocking { try await cloud.item(container, itemID: itemID) })
+      // B's first pass: a pull, or a commit the cloud refuses (the name is taken there).
+      if pullFirst { try b.pull() } else { try b.drainUploadsOnce() }
+      for _ in 0..<4 {
+        for w in [a, b] {
+          try w.drainUploadsOnce()
+          try w.pull()
+        }
+      }
+      let expected = ["f 2 = G", "f = \(byRename ? "H" : "F")"]
+      for w in [a, b] {
+        let shown = try NameHolderTests.tree(w)
+        #expect(shown == expected, "\(shown)")
+        #expect(try w.index.dueQueue(now: Int64.max / 2, limit: 8).isEmpty, "the queue drained")
+      }
+      let after = try #require(try runBlocking { try await cloud.item(container, itemID: itemID) })
+      #expect(after.etag == before.etag, "the item that had f first was not renamed: \(after)")
+    }
+  }
+}

@@ -4,11 +4,11 @@ import GRDB
 import PropertyBased
 import Testing
 import UbiqCore
-import UbiqIndex
 
 @testable import UbiqCloud
 @testable import UbiqCloudAPI
 @testable import UbiqFSCore
+@testable import UbiqIndex
 @testable import UbiqSync
 
 #if canImport(Glibc)
@@ -2856,11 +2856,12 @@ final class SyncSimulation {
   }
 
   /// Item F1, named f, as device d1's sync gives it "f 2" to settle a name while device d0
-  /// deletes it. d1 writes g; the creator (a third device, or d0 itself) writes f (F1); d0 sees
-  /// both. d1, which has not seen F1, renames g to f; d0 deletes f. d1's pull then finds the
-  /// name f held by its own g, older in the cloud than F1: F1 becomes "f 2" there, an automatic
-  /// rename not yet uploaded. `beforeTheRace` runs after d0 has seen F1 and before the rename
-  /// and the delete (d0, the creator).
+  /// deletes it. d1 writes g; the creator (a third device, or d0 itself) writes f (F1); d0 and
+  /// d1 see both. d1's sync renames F1 "f 2", an automatic rename not yet uploaded, with the
+  /// index's own step for a record that yields its name (`settleUnderFreeName`: a record of
+  /// d1's own for an item it no longer has yields so, `RemotePlanner.settleName`); d1's user
+  /// then renames g to f, and d0 deletes f. `beforeTheRace` runs after d0 has seen F1 and
+  /// before the race (d0, the creator).
   struct SettledNameRace {
     let d0: CoreWorld
     let d1: CoreWorld
@@ -2883,10 +2884,13 @@ final class SyncSimulation {
       f1 = try #require(try creator.index.item(inodeOfF1)?.itemID)
       try d0.pull()
       try beforeTheRace(d0, creator)
+      try d1.pull()
+      let f1OnD1 = try #require(try d1.inode("f"))
+      let (index, documents) = (try #require(d1.index), d1.documents)
+      let settled = try index.write { db in try index.settleUnderFreeName(db, f1OnD1, in: documents, from: "f") }
+      try checkThat(settled == "f 2", "F1 yields its name on d1: \(settled)")
       try d1.core.rename(parent: d1.documents, name: "g", newParent: d1.documents, newName: "f", flags: [])
       try d0.core.unlink(parent: d0.documents, name: "f")
-      try d1.pull()
-      try checkThat(try d1.inode("f 2") != nil, "F1 yields its name on d1")
     }
 
     /// F1's record in the cloud.

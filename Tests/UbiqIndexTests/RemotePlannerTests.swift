@@ -90,9 +90,9 @@ import Testing
     }
   }
 
-  /// Two items X and Y want one name. Device 1 has X and receives Y; device 2 has Y and receives
-  /// X. Both must give the name to the same item (the one with the smaller change sequence, which
-  /// reached the cloud first).
+  /// Two items X and Y had one name in the cloud, one after the other. Device 1 has X there and
+  /// receives Y; device 2 has Y there and receives X. Both must give the name to the same item:
+  /// the one the cloud has there now, with the larger change sequence (the other left it).
   @Test func twoDevicesSettleANameCollisionTheSameWayWhateverTheOrder() async {
     let pairs = zip(Gen.int64(in: 1...1_000_000), Gen.int64(in: 1...1_000_000)).filter { $0 != $1 }
     await propertyCheck(count: Self.cases, input: pairs) { sx, sy in
@@ -104,14 +104,34 @@ import Testing
       func renamed(holder: String, holderSeq: Int64, incoming: String, incomingSeq: Int64) -> String {
         let outcome = RemotePlanner.settleName(
           record: record(incoming, incomingSeq),
-          holder: RemotePlanner.NameHolder(itemID: holder, unchanged: true, changeSeq: holderSeq), policy: .settle,
-          ownOrphan: false)
-        return outcome == .holderYields ? holder : incoming
+          holder: RemotePlanner.NameHolder(itemID: holder, unchanged: true, changeSeq: holderSeq, placeFromCloud: true),
+          policy: .settle, ownOrphan: false)
+        return outcome == .recordYields ? incoming : holder
       }
       let onDevice1 = renamed(holder: "X", holderSeq: sx, incoming: "Y", incomingSeq: sy)
       let onDevice2 = renamed(holder: "Y", holderSeq: sy, incoming: "X", incomingSeq: sx)
       #expect(onDevice1 == onDevice2, "X seq \(sx), Y seq \(sy)")
-      #expect(onDevice1 == (sx > sy ? "X" : "Y"), "the later item yields")
+      #expect(onDevice1 == (sx > sy ? "Y" : "X"), "the item that left the name gives it up")
+    }
+  }
+
+  /// A holder that is not where its cloud version put it (made, moved or renamed here, or named
+  /// by this device's sync) claims the name in a version the cloud has not taken: it yields to
+  /// the record's item, which has the name there, whatever the versions and the policy, unless
+  /// the record is this device's own for an item it no longer has.
+  @Test func aHolderWhosePlaceTheCloudHasNotTakenYields() async {
+    let inputs = zip(Gen.int64(in: 1...1000), Gen.int64(in: 1...1000).optional, Gen.bool, Gen.int(in: 0...2))
+    await propertyCheck(count: Self.cases, input: inputs) { recordSeq, holderSeq, laterDeleted, policyIndex in
+      let r = CloudItem(
+        itemID: "there", parentID: WellKnownItem.documents, name: "n", kind: .file, mode: 0o644, size: 0,
+        mtimeNs: 1, etag: String(recordSeq), changeSeq: recordSeq)
+      let holder = RemotePlanner.NameHolder(
+        itemID: "here", unchanged: false, changeSeq: holderSeq, placeFromCloud: false,
+        laterInCloud: laterDeleted ? .deleted : nil)
+      let policies: [IndexStore.NameCollisionPolicy] = [.settle, .deferUnchangedHolders, .moveAsideHolders(["here"])]
+      let policy = policies[policyIndex]
+      #expect(RemotePlanner.settleName(record: r, holder: holder, policy: policy, ownOrphan: false) == .holderYields)
+      #expect(RemotePlanner.settleName(record: r, holder: holder, policy: policy, ownOrphan: true) == .recordYields)
     }
   }
 
@@ -145,7 +165,8 @@ import Testing
       let r = CloudItem(
         itemID: "gone", parentID: WellKnownItem.documents, name: "n", kind: .file, mode: 0o644, size: 0, mtimeNs: 1,
         etag: String(seq), changeSeq: seq)
-      let holder = RemotePlanner.NameHolder(itemID: "here", unchanged: unchanged, changeSeq: holderSeq)
+      let holder = RemotePlanner.NameHolder(
+        itemID: "here", unchanged: unchanged, changeSeq: holderSeq, placeFromCloud: unchanged)
       #expect(RemotePlanner.settleName(record: r, holder: holder, policy: .settle, ownOrphan: true) == .recordYields)
       // Within a pull, a holder whose own record comes later is waited for or parked, never renamed.
       if unchanged {

@@ -237,3 +237,33 @@ def test_names_rotated_on_one_device_while_the_other_edits_one_offline_stay_rota
         for name, data in expected.items():
             wait_for(lambda: read(u.docs / name) == data, timeout=20,
                      what=f"{name} on {u.root.name}: {read(u.docs / name)!r}")
+
+
+def test_a_rename_made_offline_onto_a_name_made_meanwhile_elsewhere_yields(pair):
+    """B renames draft.txt to report.txt while the server is down and unmounts; A then makes its
+    own report.txt, which reaches the cloud first. B comes back and reads the feed before it
+    commits: A's report.txt keeps its name (and its cloud version: B's sync never renames it),
+    B's renamed file becomes "report 2.txt" on both devices, both contents kept."""
+    a, b = pair
+    (b.docs / "draft.txt").write_text("B's draft\n")
+    settle(a, b)
+    wait_for(lambda: (a.docs / "draft.txt").exists(), what="draft.txt on a")
+    # B's upload waits a minute: its rename must not reach the cloud before B comes back.
+    b.unmount()
+    b.mount("--upload-delay-ms", "60000")
+    with Offline(a, b):
+        os.rename(b.docs / "draft.txt", b.docs / "report.txt")
+        b.unmount()
+    (a.docs / "report.txt").write_text("A's report\n")
+    a.sync(timeout=60)
+    etag = a.xattr(a.docs / "report.txt", "user.ubiq.etag")
+    b.mount(*DELAY)
+    settle(a, b, rounds=3)
+    expected = {"report 2.txt": b"B's draft\n", "report.txt": b"A's report\n"}
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == sorted(expected), timeout=20,
+                 what=f"two names on {u.root.name}: {sorted(os.listdir(u.docs))}")
+        for name, data in expected.items():
+            assert read(u.docs / name) == data, (u.root.name, name)
+    assert a.xattr(a.docs / "report.txt", "user.ubiq.etag") == etag, "A's report.txt was renamed and back"
+    assert a.item_id(a.docs / "report 2.txt") == b.item_id(b.docs / "report 2.txt")
