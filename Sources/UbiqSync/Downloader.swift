@@ -97,8 +97,13 @@ public final class ContentStream: @unchecked Sendable {
   private var cancellers: [Int: @Sendable () -> Void] = [:]
   private var nextCanceller = 0
 
-  init(inode: Int64, manifest: String?, size: Int64, chunks: [ChunkRef], fd: Int32) {
+  /// The cache file was made empty and given its final size, so every byte no chunk wrote reads
+  /// as zero: a chunk of zeros (a sparse file's hole) is not written and stays a hole.
+  let holesReadAsZero: Bool
+
+  init(inode: Int64, manifest: String?, size: Int64, chunks: [ChunkRef], fd: Int32, holesReadAsZero: Bool = false) {
     self.inode = inode
+    self.holesReadAsZero = holesReadAsZero
     self.manifest = manifest
     self.size = size
     self.chunks = chunks
@@ -379,6 +384,7 @@ public final class ContentStream: @unchecked Sendable {
   func writeChunk(_ data: Data, at offset: Int64) throws -> Bool {
     try writeLock.withLock {
       if stopped { return false }
+      if holesReadAsZero && Self.isAllZero(data) { return true }
       try data.withUnsafeBytes { raw in
         var written = 0
         while written < raw.count {
@@ -389,6 +395,14 @@ public final class ContentStream: @unchecked Sendable {
         }
       }
       return true
+    }
+  }
+
+  /// Whether every byte of `data` is zero: the first is, and each equals the next.
+  static func isAllZero(_ data: Data) -> Bool {
+    data.withUnsafeBytes { raw in
+      guard let base = raw.baseAddress, raw.count > 0 else { return true }
+      return raw[0] == 0 && memcmp(base, base + 1, raw.count - 1) == 0
     }
   }
 
@@ -480,9 +494,11 @@ public final class Downloader: @unchecked Sendable {
       unlink(path)
       let fd = Glibc.open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0o600)
       guard fd >= 0 else { throw UbiqError.posix(errno, "creating the cache file of \(row.name)") }
-      // The file gets its final size at once; if that fails, each chunk's write extends it.
-      _ = ftruncate(fd, off_t(row.size))
-      let s = ContentStream(inode: inode, manifest: row.chunks, size: row.size, chunks: row.chunkList, fd: fd)
+      // The file gets its final size at once (its holes read as zero); if that fails, each
+      // chunk's write extends it.
+      let sized = ftruncate(fd, off_t(row.size)) == 0
+      let s = ContentStream(
+        inode: inode, manifest: row.chunks, size: row.size, chunks: row.chunkList, fd: fd, holesReadAsZero: sized)
       streams[inode] = s
       failures[inode] = nil
       return (s, true)

@@ -114,6 +114,23 @@ import UbiqIndex
     }
   }
 
+  /// A sparse file's holes (its chunks of zeros) stay holes in the cache file of a device that
+  /// downloads it: the bytes read are the file's, and the cache holds little more than its data.
+  @Test func aSparseFileDownloadsIntoASparseCacheFile() async throws {
+    try await onOwnThread {
+      let data = Self.noise(1 << 20, seed: 1) + Data(count: 32 << 20) + Self.noise(1 << 20, seed: 2)
+      let (a, b, _) = try Self.evictedOnB(["sparse": data])
+      defer { withExtendedLifetime(a) {} }
+      let inode = try b.inode("sparse")!
+      #expect(try Self.readInOrder(b, inode, size: data.count) == data)
+      #expect(try b.index.item(inode)!.content == .cached)
+      var st = stat()
+      #expect(stat(b.core.cache.path(inode), &st) == 0)
+      #expect(st.st_size == data.count)
+      #expect(Int(st.st_blocks) * 512 < 8 << 20, "the cache file holds \(st.st_blocks) blocks")
+    }
+  }
+
   /// A bandwidth cap (`--download-limit`) holds each chunk back until its share of the link is
   /// free. That is no stall: a reader waits for as long as the cap makes it, and a cap slower
   /// than one chunk per stall timeout reads the file, slowly, instead of failing it with EIO.
