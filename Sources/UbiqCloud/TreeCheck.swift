@@ -91,11 +91,13 @@ extension CloudEngine {
     for i in live where !ItemName.isValidInCloud(i.name) {
       problems.append(TreeProblem(kind: .badName, itemID: i.itemID, members: [i.itemID]))
     }
-    // Namesakes: the item that reached the cloud first keeps the name, as on the clients.
-    var byPlace: [String: [CloudItem]] = [:]
-    for i in live { byPlace["\(i.parentID ?? "")/\(i.name)", default: []].append(i) }
-    for (_, group) in byPlace.sorted(by: { $0.key < $1.key }) where group.count > 1 {
-      let ordered = group.sorted { $0.changeSeq < $1.changeSeq }
+    // Namesakes: the item that reached the cloud first keeps the name, as on the clients. Names
+    // are compared byte for byte, as the stores and the mounts do ("café" in NFC and in NFD are
+    // two names), not as Swift strings, which are equal when canonically equivalent.
+    var byPlace: [Place: [CloudItem]] = [:]
+    for i in live { byPlace[Place(parentID: i.parentID, name: Array(i.name.utf8)), default: []].append(i) }
+    let groups = byPlace.values.map { $0.sorted { $0.changeSeq < $1.changeSeq } }
+    for ordered in groups.sorted(by: { $0[0].changeSeq < $1[0].changeSeq }) where ordered.count > 1 {
       for later in ordered.dropFirst() {
         problems.append(TreeProblem(kind: .duplicateName, itemID: later.itemID, members: ordered.map(\.itemID)))
       }
@@ -181,11 +183,18 @@ extension CloudEngine {
 
   /// `name`, or "name 2", "name 3", ... : the first no live item of `parentID` has.
   func freeName(_ container: ContainerID, parentID: String, _ name: String) async throws -> String {
+    // By bytes, as the store compares names.
     let used = Set(
-      try await allItems(container).filter { !$0.deleted && $0.parentID == parentID }.map(\.name))
-    if !used.contains(name) { return name }
+      try await allItems(container).filter { !$0.deleted && $0.parentID == parentID }.map { Array($0.name.utf8) })
+    if !used.contains(Array(name.utf8)) { return name }
     var n = 2
-    while used.contains(ItemName.numbered(name, n)) { n += 1 }
+    while used.contains(Array(ItemName.numbered(name, n).utf8)) { n += 1 }
     return ItemName.numbered(name, n)
+  }
+
+  /// A folder and a name in it, the name as its UTF-8 bytes.
+  struct Place: Hashable {
+    var parentID: String?
+    var name: [UInt8]
   }
 }

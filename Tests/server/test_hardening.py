@@ -423,6 +423,27 @@ def _corrupt(storage, records: list[dict], account: str) -> None:
         subprocess.run([psql, "-q", "-v", "ON_ERROR_STOP=1", storage.pg.url.replace("?sslmode=disable", ""), "-c", sql], check=True, capture_output=True)
 
 
+def test_server_check_compares_names_byte_for_byte(storage, api):
+    """Names are kept byte for byte, with no Unicode normalization: "café" in NFC and in NFD are
+    two names, as on ext4 and on the mount. `server check` finds no duplicate among them, and
+    a repair of another item next to them neither renames them nor numbers its new name for
+    them."""
+    api.ensure_container(C)
+    nfc, nfd = "caf\u00e9", "cafe\u0301"
+    for item_id, name in (("nfc", nfc), ("nfd", nfd), ("nfc_", nfc + "_")):
+        assert put(api, folder(item_id, name)).status == 201
+    check = ["server", "check", *storage.args()]
+    clean = run_cli(*check, env_extra=storage.env(), check=False)
+    assert clean.returncode == 0, clean
+    # A bad name whose repair ("/" becomes "_") is the NFD form of an existing NFC name.
+    _corrupt(storage, [folder("bad", nfd + "/")], api.account)
+    repaired = run_cli(*check, "--repair", env_extra=storage.env(), check=False)
+    assert repaired.returncode == 0, repaired
+    items = {i["itemID"]: i for i in api.all_items(C)}
+    assert [items[i]["name"] for i in ("nfc", "nfd", "nfc_")] == [nfc, nfd, nfc + "_"], items
+    assert items["bad"]["name"] == nfd + "_", items["bad"]
+
+
 def test_server_check_reports_and_repairs_bad_trees(storage, api):
     api.ensure_container(C)
     assert put(api, folder("ok", "ok")).status == 201
