@@ -127,6 +127,7 @@ public final class Daemon {
     fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
     fs.resync = { puller.pullEverythingAgain() }
+    fs.lastClosed = { puller.readersClosed($0) }
     puller.commitInFlight = { worker.isCommitting($0) }
     puller.onApplied = { fs.remoteChangesApplied($0) }
     puller.onRecovered = {

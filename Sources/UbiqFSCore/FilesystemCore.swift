@@ -47,6 +47,8 @@ public final class FilesystemCore: @unchecked Sendable {
   /// Reads the cloud's change feed again from its start (`user.ubiq.action` = resync); nil
   /// where nothing pulls (the action is refused).
   public var resync: (() -> Void)?
+  /// Called when the last handle of a file closes (a remote version may wait for it).
+  public var lastClosed: ((Int64) -> Void)?
   let xattrSnapshots = XattrSnapshots()
   /// Drops the kernel's pages of an inode after a read through a handle older than its
   /// content (`didRead`): outside the request, one drop at a time.
@@ -759,6 +761,7 @@ public final class FilesystemCore: @unchecked Sendable {
     let lastOfUnlinked = inodes.closed(f.inode, handle: handle, writable: f.writable, wasDirty: f.dirty) != nil
     if let fd = f.fd { close(fd) }
     if lastOfUnlinked { forgetContent(f.inode) }
+    if !inodes.isOpen(f.inode) { lastClosed?(f.inode) }
   }
 
   /// Linux's FALLOC_FL_KEEP_SIZE: reserve space, keep the size.

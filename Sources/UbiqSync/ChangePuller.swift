@@ -42,6 +42,8 @@ public final class ChangePuller: @unchecked Sendable {
   /// The wait for the next change in progress, cancelled by `wake`.
   private var waiting: Task<Bool, Error>?
   private var wakeRequested = false
+  /// Files whose record waits for their readers here to close (`shrinksWhatIsRead`).
+  private var heldForReaders: Set<Int64> = []
   /// Requests to read the change feed from its start (`pullEverythingAgain`); the latest of
   /// them whose read has begun (a pull stored the token of its first page: the rest of the
   /// feed follows from there, by that pull or the next ones); and the latest whose read has
@@ -313,6 +315,11 @@ public final class ChangePuller: @unchecked Sendable {
         if holding { try index.holdRemote(item) }
         return RemoteApplyResult(outcome: .locallyModified, inode: inode)
       }
+      if try shrinksWhatIsRead(item, inode) {
+        if holding { try index.holdRemote(item) }
+        lock.withLock { _ = heldForReaders.insert(inode) }
+        return RemoteApplyResult(outcome: .locallyModified, inode: inode)
+      }
       let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
@@ -378,6 +385,24 @@ public final class ChangePuller: @unchecked Sendable {
 
   /// Pulls now instead of waiting for the cloud's next change: something was held back or
   /// refused that the next pull settles.
+  /// Whether `item`, a version of the file at `inode`, is smaller than the version here while
+  /// that is open. Readers go on reading the version they opened, through their descriptors,
+  /// but the kernel holds one size per inode: a smaller one would end their reads early, with
+  /// no error. Such a record waits until the last of them closes (`readersClosed`); one of the
+  /// same size or larger applies at once. Under the inode lock.
+  func shrinksWhatIsRead(_ item: CloudItem, _ inode: Int64) throws -> Bool {
+    guard !item.deleted, item.kind == .file, inodes.isOpen(inode), let row = try index.item(inode) else {
+      return false
+    }
+    return row.kind == .file && item.size < row.size
+  }
+
+  /// The last handle of the file at `inode` closed: a record that waited for its readers is
+  /// applied now.
+  public func readersClosed(_ inode: Int64) {
+    if lock.withLock({ heldForReaders.remove(inode) != nil }) { wake() }
+  }
+
   public func wake() {
     lock.withLock {
       wakeRequested = true

@@ -203,15 +203,42 @@ import UbiqIndex
     }
   }
 
+  /// A smaller version made elsewhere while a process here reads the file waits for the last
+  /// reader to close: the kernel holds one size per inode, and a smaller one would end the
+  /// reader's reads early with no error (a torn copy). The reader reads the whole version it
+  /// opened; after its close the next pull applies the new one.
+  @Test func aSmallerRemoteVersionWaitsForTheReadersOfTheFile() async throws {
+    try await onOwnThread {
+      let old = Self.noise(4 << 20, seed: 7)
+      let (a, b, _) = try Self.evictedOnB(["f": old])
+      let inode = try b.inode("f")!
+      let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      var read = try b.core.read(reader, offset: 0, size: 1 << 20)
+      let small = Data("saved smaller elsewhere\n".utf8)
+      try a.writeFile("f", small)
+      try a.drainUploads()
+      try b.pull()
+      #expect(try b.core.getattr(inode).size == Int64(old.count), "the size the reader reads stays")
+      while read.count < old.count {
+        read += try b.core.read(reader, offset: Int64(read.count), size: min(128 << 10, old.count - read.count))
+      }
+      #expect(read == old)
+      b.core.release(reader)
+      try b.pull()
+      #expect(try b.readFile("f") == small)
+      #expect(try b.index.heldRemote().isEmpty)
+    }
+  }
+
   @Test func aReaderClosingAfterARemoteReplacementLeavesANewLocalWriteAlone() async throws {
     try await onOwnThread {
       let (a, b, _) = try Self.evictedOnB(["f": Self.noise(4 << 20, seed: 5)])
       let inode = try b.inode("f")!
       let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
       _ = try b.core.read(reader, offset: 0, size: 4096)
-      // Device A empties the file; B applies it while its reader is open (readers do not block
-      // remote versions), then writes the file itself.
-      try a.writeFile("f", Data())
+      // Device A replaces the file with a larger one; B applies it while its reader is open (a
+      // version as large or larger does not wait for readers), then writes the file itself.
+      try a.writeFile("f", Self.noise(5 << 20, seed: 6))
       try a.drainUploads()
       try b.pull()
       let mine = Data("written on b after the remote version\n".utf8)

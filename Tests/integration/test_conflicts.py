@@ -390,3 +390,31 @@ def test_a_swap_that_arrives_while_the_moved_file_is_open_for_writing_keeps_its_
                  what=f"the two names on {u.root.name}: {sorted(os.listdir(u.docs))}")
         wait_for(lambda: read(u.docs / "b") == lines and read(u.docs / "a") == b"b\n", timeout=30,
                  what=f"the swapped files on {u.root.name}")
+
+
+@pytest.mark.parametrize("how", ["atomic save", "truncate"])
+def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_the_file_smaller(pair, how):
+    """B reads a file slowly while A saves a smaller version of it (an editor's atomic save, or
+    truncate). B's reader reads every byte of the version it opened, with no early end of file
+    (the kernel's size of the file stays the one it reads); the new version appears on B once
+    the reader has closed."""
+    a, b = pair
+    old = os.urandom(8 << 20)
+    (a.docs / "big.bin").write_bytes(old)
+    settle(a, b)
+    wait_for(lambda: (b.docs / "big.bin").exists(), what="big.bin on b")
+    with open(b.docs / "big.bin", "rb") as reader:
+        first = reader.read(1 << 20)
+        if how == "atomic save":
+            (a.docs / "big.bin.tmp").write_bytes(b"smaller\n")
+            os.rename(a.docs / "big.bin.tmp", a.docs / "big.bin")
+        else:
+            os.truncate(a.docs / "big.bin", 1 << 20)
+        (a.docs / "marker").write_text("after\n")
+        a.sync(timeout=60)
+        wait_for(lambda: (b.docs / "marker").exists(), timeout=20, what="b pulled A's changes")
+        rest = reader.read()
+    assert len(first) + len(rest) == len(old), f"the reader read {len(first) + len(rest)} of {len(old)} bytes"
+    assert first + rest == old
+    new = b"smaller\n" if how == "atomic save" else old[: 1 << 20]
+    wait_for(lambda: read(b.docs / "big.bin") == new, timeout=20, what="the new version on b after the close")
