@@ -804,6 +804,7 @@ public final class IndexStore: @unchecked Sendable {
       let wasLocalOnly = try Self.isLocalOnly(db, srcID)
       var replaced: ItemRow? = nil
       var inheritedSentPlaces: String? = nil
+      var inheritedWaitingSinceNs: Int64? = nil
       if dstID == srcID { return RenameResult(moved: src, replaced: nil) }
       if let dstID, let dst = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [dstID]) {
         switch mode {
@@ -822,8 +823,12 @@ public final class IndexStore: @unchecked Sendable {
           }
           // Read before the replaced row goes (its attributes and its queue entry go with it).
           let dstRemoval = try Self.removal(db, of: dst)
+          let waitingSince = try Int64.fetchOne(
+            db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
+            arguments: [dstID, srcID])
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
+          if dst.kind == .file && src.kind == .file { inheritedWaitingSinceNs = waitingSince }
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
             // Its content stays its own: a dataless source keeps the chunk list its bytes are
@@ -862,6 +867,17 @@ public final class IndexStore: @unchecked Sendable {
       if let inheritedSentPlaces {
         try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(
           arguments: [inheritedSentPlaces, srcID])
+      }
+      // A file renamed over another takes the time the changes of either began to wait: a file
+      // saved atomically again and again (a new file renamed over it each time) is uploaded
+      // within `maxCoalescingNs`, as one written again and again is.
+      if let inheritedWaitingSinceNs {
+        try db.cached(
+          """
+          UPDATE uploadQueue SET waitingSinceNs = min(coalesce(waitingSinceNs, enqueuedNs), ?1),
+            nextAttemptNs = min(nextAttemptNs, ?1 + ?2) WHERE item = ?3
+          """
+        ).execute(arguments: [inheritedWaitingSinceNs, maxCoalescingNs, srcID])
       }
       return RenameResult(
         moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,

@@ -11,6 +11,8 @@ import subprocess
 import threading
 import time
 
+import pytest
+
 from conftest import Ubiq, daemons_for_state, ubiq_mounts
 from helpers import sha256, sha256_file, write_file
 from test_devices_and_content import wait_for
@@ -112,19 +114,28 @@ def test_a_new_folder_changed_after_its_files_were_made_uploads_before_them(ubiq
     assert os.stat(ubiq.docs / "tree").st_mtime == 1_000_000_000
 
 
-def test_a_file_closed_again_and_again_is_uploaded_while_it_goes_on(ubiq):
+@pytest.mark.parametrize("how", ["append", "atomic save"])
+def test_a_file_closed_again_and_again_is_uploaded_while_it_goes_on(ubiq, how):
     """Each close of a log written by open-append-close waits the upload delay again, so that
     changes in quick succession go as one; but not for ever: a file that keeps changing is
-    uploaded every few seconds, so the cloud (and every other device) is never far behind."""
+    uploaded every few seconds, so the cloud (and every other device) is never far behind.
+    The same for a file an editor saves atomically again and again (a new file renamed over
+    it each time, which becomes the next version of the same item)."""
     ubiq.remount("--upload-delay-ms", "1000")
     log = ubiq.docs / "app.log"
+    log.write_text("start\n")
     stop = threading.Event()
 
     def writer():
         i = 0
         while not stop.is_set():
-            with open(log, "a") as f:
-                f.write(f"line {i}\n")
+            if how == "append":
+                with open(log, "a") as f:
+                    f.write(f"line {i}\n")
+            else:
+                tmp = ubiq.docs / "app.log.tmp"
+                tmp.write_text(f"version {i}\n")
+                os.rename(tmp, log)
             i += 1
             time.sleep(0.2)
 
