@@ -40,6 +40,11 @@ public enum WellKnownItem {
 public enum ItemName {
   public static let maxBytes = 255
 
+  /// Whether two names are the same name: byte for byte, as the filesystem, the index and the
+  /// cloud compare them. Swift's `==` on strings takes canonically equivalent spellings (the
+  /// NFC and NFD forms of "café") as equal; they are two names.
+  public static func same(_ a: String, _ b: String) -> Bool { a.utf8.elementsEqual(b.utf8) }
+
   /// Throws a typed error for a name the filesystem or the cloud must refuse.
   public static func validate(_ name: String) throws {
     if name.isEmpty { throw UbiqError.invalidArgument("empty name") }

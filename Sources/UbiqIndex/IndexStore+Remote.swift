@@ -202,7 +202,7 @@ extension IndexStore {
           if later.deleted { return .deleted }
           // A temporary name is no place to go: the item is on its way to another.
           if ItemName.isAside(later.name, itemID: later.itemID) { return nil }
-          return later.parentID != parentItemID || later.name != name ? .moved : nil
+          return later.parentID != parentItemID || !ItemName.same(later.name, name) ? .moved : nil
         })
       let outcome = RemotePlanner.settleName(record: r, holder: holder, policy: collisions, ownOrphan: ownOrphan)
       switch outcome {
@@ -404,7 +404,7 @@ extension IndexStore {
   /// Whether `row`, in the folder with item id `parentID`, is where its cloud version (its
   /// base) put it: no rename or move made here.
   static func isWhereItsCloudVersionPutIt(_ row: ItemRow, parentID: String) -> Bool {
-    row.baseItem.map { !$0.deleted && $0.parentID == parentID && $0.name == row.name } ?? false
+    row.baseItem.map { !$0.deleted && $0.parentID == parentID && ItemName.same($0.name, row.name) } ?? false
   }
 
   /// Makes the place of `row`'s base (its last cloud version) `parentID`/`name`: a place sync
@@ -635,7 +635,7 @@ extension IndexStore {
       // A place the user chose: not a temporary name a pull parked the item under, nor a name
       // this device's sync chose to settle a collision (the merged record settles it again).
       let movedHere =
-        try changedHere && (row.parent != before.parent || row.name != before.name)
+        try changedHere && (row.parent != before.parent || !ItemName.same(row.name, before.name))
         && row.name != Self.parkedName(row.itemID) && !Self.isAutomaticRename(db, inode, revision: row.revision)
       if keepingPlace || movedHere, let parent = row.parent,
         let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent])

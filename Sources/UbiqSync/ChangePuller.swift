@@ -316,8 +316,7 @@ public final class ChangePuller: @unchecked Sendable {
         return RemoteApplyResult(outcome: .locallyModified, inode: inode)
       }
       if try shrinksWhatIsRead(item, inode) {
-        if holding { try index.holdRemote(item) }
-        lock.withLock { _ = heldForReaders.insert(inode) }
+        try holdForReaders(item, inode, holding: holding)
         return RemoteApplyResult(outcome: .locallyModified, inode: inode)
       }
       let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
@@ -383,18 +382,26 @@ public final class ChangePuller: @unchecked Sendable {
     if let failure, !interrupted { throw failure }
   }
 
-  /// Pulls now instead of waiting for the cloud's next change: something was held back or
-  /// refused that the next pull settles.
-  /// Whether `item`, a version of the file at `inode`, is smaller than the version here while
-  /// that is open. Readers go on reading the version they opened, through their descriptors,
-  /// but the kernel holds one size per inode: a smaller one would end their reads early, with
-  /// no error. Such a record waits until the last of them closes (`readersClosed`); one of the
-  /// same size or larger applies at once. Under the inode lock.
+  /// Whether `item`, a newer version of the file at `inode`, is smaller than the version here
+  /// while that is open. Readers go on reading the version they opened, through their
+  /// descriptors, but the kernel holds one size per inode: a smaller one would end their reads
+  /// early, with no error. Such a record waits until the last of them closes (`readersClosed`);
+  /// one of the same size or larger applies at once, and an older one is dropped as any is.
+  /// Under the inode lock.
   func shrinksWhatIsRead(_ item: CloudItem, _ inode: Int64) throws -> Bool {
     guard !item.deleted, item.kind == .file, inodes.isOpen(inode), let row = try index.item(inode) else {
       return false
     }
-    return row.kind == .file && item.size < row.size
+    return row.kind == .file && item.size < row.size && item.changeSeq > (row.etag.flatMap { Int64($0) } ?? 0)
+  }
+
+  /// Holds `item` until the readers of the file at `inode` close (`shrinksWhatIsRead`). Under
+  /// the inode lock; the last close may come just before the file is noted (`release` does not
+  /// take that lock), so it is looked at again after.
+  func holdForReaders(_ item: CloudItem, _ inode: Int64, holding: Bool) throws {
+    if holding { try index.holdRemote(item) }
+    lock.withLock { _ = heldForReaders.insert(inode) }
+    if !inodes.isOpen(inode) { readersClosed(inode) }
   }
 
   /// The last handle of the file at `inode` closed: a record that waited for its readers is
@@ -403,6 +410,8 @@ public final class ChangePuller: @unchecked Sendable {
     if lock.withLock({ heldForReaders.remove(inode) != nil }) { wake() }
   }
 
+  /// Pulls now instead of waiting for the cloud's next change: something was held back or
+  /// refused that the next pull settles.
   public func wake() {
     lock.withLock {
       wakeRequested = true

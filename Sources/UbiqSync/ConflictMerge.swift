@@ -100,8 +100,8 @@ public enum ConflictMerge {
     // changed mode or attributes) here since, the local one is newer than the cloud's.
     let ownSent = server.deviceID == deviceID ? unanswered : []
     let movedSinceSent =
-      ownSent.contains { $0.parentID == server.parentID && $0.name == server.name }
-      && (local.parentID != server.parentID || local.name != server.name)
+      ownSent.contains { $0.parentID == server.parentID && ItemName.same($0.name, server.name) }
+      && (local.parentID != server.parentID || !ItemName.same(local.name, server.name))
     let modeChangedSinceSent = ownSent.contains { $0.mode == server.mode } && local.mode != server.mode
     let xattrsChangedSinceSent =
       ownSent.contains { $0.xattrs != nil && $0.hasXattrs(server.xattrs) } && local.xattrs != server.xattrs
@@ -111,12 +111,15 @@ public enum ConflictMerge {
     // none of them had is another device's change, and wins; one that any of them had is this
     // device's own, and the local side, newer, is taken. Without notes the local side is taken.
     let serverPlaceSent =
-      unanswered.isEmpty || unanswered.contains { $0.parentID == server.parentID && $0.name == server.name }
+      unanswered.isEmpty
+      || unanswered.contains { $0.parentID == server.parentID && ItemName.same($0.name, server.name) }
     let serverModeSent = unanswered.isEmpty || unanswered.contains { $0.mode == server.mode }
     let serverXattrsSent = unanswered.isEmpty || unanswered.contains { $0.hasXattrs(server.xattrs) }
     let placeChanged =
-      (base.map { $0.parentID != local.parentID || $0.name != local.name } ?? serverPlaceSent) || movedSinceSent
-    let serverPlaceChanged = base.map { $0.parentID != server.parentID || $0.name != server.name } ?? true
+      (base.map { $0.parentID != local.parentID || !ItemName.same($0.name, local.name) } ?? serverPlaceSent)
+      || movedSinceSent
+    let serverPlaceChanged =
+      base.map { $0.parentID != server.parentID || !ItemName.same($0.name, server.name) } ?? true
     if serverAside || (placeChanged && !(local.settledNameOf != nil && serverPlaceChanged)) {
       out.parentID = local.parentID
       out.name = local.name

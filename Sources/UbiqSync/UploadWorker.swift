@@ -797,6 +797,13 @@ public final class UploadWorker: @unchecked Sendable {
         deviceID: deviceID)
       local.conflicts = row.conflictList.isEmpty ? nil : row.conflictList
     }
+    // Only a file has content (the cloud refuses any other item with some): a folder or a
+    // symlink whose record came with a size, chunks or conflict versions goes back without.
+    if local.kind != .file {
+      local.chunks = []
+      local.conflicts = nil
+      if local.kind == .directory { local.size = 0 }
+    }
     // Only a name this device's sync chose differs from the base: the version says so, so that
     // a delete based on the base still wins over it (`settledNameOf`). Any other difference
     // from the base (place, mode, a file's mtime, content, extended attributes, symlink target,

@@ -667,3 +667,35 @@ final class GatedCloud: CloudService, @unchecked Sendable {
     try await inner.waitForChanges(container, since: since, timeoutMs: timeoutMs)
   }
 }
+
+/// A rename that changes only a name's Unicode normalization (NFC "café" to NFD) is a rename
+/// like any other, also when it meets an edit made elsewhere: names are compared byte for byte,
+/// so the merge keeps the new spelling and the edit, on both devices.
+@Test func aNormalizationOnlyRenameSurvivesAnEditElsewhere() async throws {
+  try await onOwnThread {
+    let (a, b, _) = try CoreWorld.pair()
+    let nfc = "caf\u{e9}"
+    let nfd = "cafe\u{301}"
+    _ = try a.writeFile(nfc, Data("v1\n".utf8))
+    try a.drainUploads()
+    try b.pull()
+    try b.core.rename(parent: b.documents, name: nfc, newParent: b.documents, newName: nfd, flags: [])
+    _ = try a.writeFile(nfc, Data("edited on a\n".utf8))
+    try a.drainUploads()
+    for _ in 0..<2 {
+      try b.drainUploads()
+      try a.pull()
+      try b.pull()
+      try a.drainUploads()
+    }
+    for w in [a, b] {
+      var names: [[UInt8]] = []
+      try w.core.readdir(w.documents, offset: 2) { e in
+        names.append(Array(e.name.utf8))
+        return true
+      }
+      #expect(names == [Array(nfd.utf8)], "\(names)")
+      #expect(try w.readFile(nfd) == Data("edited on a\n".utf8))
+    }
+  }
+}

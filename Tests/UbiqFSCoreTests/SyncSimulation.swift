@@ -3604,6 +3604,27 @@ final class SyncSimulation {
     }
   }
 
+  /// A folder record stored with a size (by a cloud that checked nothing, or before the cloud
+  /// refused it) goes back without one when a device changes the folder: the cloud refuses a
+  /// folder with content, and the change would wait for ever.
+  @Test func aFolderStoredWithASizeGoesBackWithoutOne() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      _ = try a.core.mkdir(parent: a.documents, name: "d", mode: 0o755, caller: .current)
+      try a.drainUploads()
+      let id = try #require(try a.inode("d").flatMap { try a.index.item($0)?.itemID })
+      let container = a.container
+      var stored = try #require(try runBlocking { try await cloud.item(container, itemID: id) })
+      stored.size = 4096
+      try cloud.storeUnchecked(stored, in: container, ifMatch: stored.etag)
+      try b.pull()
+      _ = try b.core.setattr(try #require(try b.inode("d")), AttributeUpdate(mode: 0o700))
+      try b.drainUploads()
+      let after = try #require(try runBlocking { try await cloud.item(container, itemID: id) })
+      #expect(after.size == 0 && after.mode & 0o777 == 0o700, "\(after)")
+    }
+  }
+
   @Test func foldersMovedIntoEachOtherConvergeWithNothingLost() async {
     await Self.randomSequences(
       "folder simulation", budget: Self.budget().share(cases: 1.0 / 3, seconds: 2.0 / 3, atLeast: 1),
