@@ -388,11 +388,17 @@ extension IndexStore {
             nextAttemptNs: e.nextAttemptNs))
       }
       var waiting = 0
+      var waitingForFiles: [String] = []
       for data in try Data.fetchAll(db, sql: "SELECT record FROM heldRemote") {
         guard let r = try? JSONDecoder().decode(CloudItem.self, from: data), !r.deleted, let parent = r.parentID
         else { continue }
         if try Bool.fetchOne(db.cached("SELECT 1 FROM items WHERE itemID = ?"), arguments: [parent]) != true {
           waiting += 1
+        } else if waitingForFiles.count < 50,
+          let id = try Int64.fetchOne(db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [r.itemID]),
+          let path = try Self.path(db, id)
+        {
+          waitingForFiles.append(path)
         }
       }
       let refused = try Row.fetchAll(
@@ -400,7 +406,7 @@ extension IndexStore {
       ).map { RefusedRecord(itemID: $0["itemID"], name: $0["name"], reason: $0["reason"]) }
       return QueueSummary(
         pendingItems: items, pendingDeletes: deletes, pendingBytes: bytes, failing: failing, waitingForParent: waiting,
-        refusedRecords: refused)
+        waitingForFiles: waitingForFiles.sorted(), refusedRecords: refused)
     }
   }
 

@@ -244,6 +244,10 @@ public struct QueueSummary: Sendable, Codable {
   /// Changes from the cloud held back because their folder is missing here (and in the cloud's
   /// feed so far): applied as soon as it arrives.
   public var waitingForParent: Int = 0
+  /// Files here whose newer version from the cloud waits (the first 50): for their changes here
+  /// to be uploaded (and merged with it), or, for a smaller version, for the processes reading
+  /// them here to close them.
+  public var waitingForFiles: [String] = []
   /// Changes from the cloud refused because they break a rule of the cloud's tree (the first 50).
   public var refusedRecords: [RefusedRecord] = []
 }

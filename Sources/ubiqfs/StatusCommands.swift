@@ -116,6 +116,9 @@ struct StatusCommand: ParsableCommand {
         if q.waitingForParent > 0 {
           print("  \(q.waitingForParent) changes from the cloud wait for a folder that is not here yet")
         }
+        for path in q.waitingForFiles {
+          print("  a change from the cloud waits for \(path) to be uploaded, or closed by the processes reading it")
+        }
         for r in q.refusedRecords {
           print("  refused a change from the cloud: item \(r.itemID) (name \(String(reflecting: r.name))): \(r.reason)")
         }

@@ -396,8 +396,8 @@ def test_a_swap_that_arrives_while_the_moved_file_is_open_for_writing_keeps_its_
 def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_the_file_smaller(pair, how):
     """B reads a file slowly while A saves a smaller version of it (an editor's atomic save, or
     truncate). B's reader reads every byte of the version it opened, with no early end of file
-    (the kernel's size of the file stays the one it reads); the new version appears on B once
-    the reader has closed."""
+    (the kernel's size of the file stays the one it reads); `ubiqfs status` names the file
+    whose newer version waits, which appears on B once the reader has closed."""
     a, b = pair
     old = os.urandom(8 << 20)
     (a.docs / "big.bin").write_bytes(old)
@@ -413,6 +413,8 @@ def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_t
         (a.docs / "marker").write_text("after\n")
         a.sync(timeout=60)
         wait_for(lambda: (b.docs / "marker").exists(), timeout=20, what="b pulled A's changes")
+        status = b.run("status").stdout
+        assert "waits for Documents/big.bin to be uploaded, or closed by the processes reading it" in status, status
         rest = reader.read()
     assert len(first) + len(rest) == len(old), f"the reader read {len(first) + len(rest)} of {len(old)} bytes"
     assert first + rest == old
