@@ -126,6 +126,7 @@ public final class Daemon {
     }
     fs.fetchPinnedFiles()
     worker.onNeedsPull = { puller.wake() }
+    worker.waitsForReaders = { puller.waitsForReaders($0) }
     fs.resync = { puller.pullEverythingAgain() }
     fs.lastClosed = { puller.readersClosed($0) }
     puller.commitInFlight = { worker.isCommitting($0) }

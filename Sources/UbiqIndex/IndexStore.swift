@@ -871,14 +871,7 @@ public final class IndexStore: @unchecked Sendable {
       // A file renamed over another takes the time the changes of either began to wait: a file
       // saved atomically again and again (a new file renamed over it each time) is uploaded
       // within `maxCoalescingNs`, as one written again and again is.
-      if let inheritedWaitingSinceNs {
-        try db.cached(
-          """
-          UPDATE uploadQueue SET waitingSinceNs = min(coalesce(waitingSinceNs, enqueuedNs), ?1),
-            nextAttemptNs = min(nextAttemptNs, ?1 + ?2) WHERE item = ?3
-          """
-        ).execute(arguments: [inheritedWaitingSinceNs, maxCoalescingNs, srcID])
-      }
+      if let inheritedWaitingSinceNs { try inheritWaiting(db, srcID, since: inheritedWaitingSinceNs) }
       return RenameResult(
         moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
         replaced: replaced)
@@ -912,6 +905,7 @@ public final class IndexStore: @unchecked Sendable {
     // Of each row, whether the identity it takes may be in the cloud already (see below).
     var sentIdentity = [false, false]
     var sentPlaces: [String?] = [nil, nil]
+    var waitingSince: Int64? = nil
     if src.kind == .file && dst.kind == .file && wasLocalOnly == [false, false] && nowLocalOnly == [false, false] {
       // Identity swap; the unique itemID goes through a temporary value.
       func identity(of row: ItemRow, for other: ItemRow) -> [DatabaseValueConvertible?] {
@@ -929,6 +923,11 @@ public final class IndexStore: @unchecked Sendable {
       sentIdentity = [try Self.uploadAttempted(db, dst), try Self.uploadAttempted(db, src)]
       // So do the places its unanswered commits were sent with (`QueueEntry.unansweredPlaces`).
       sentPlaces = [try Self.sentPlaces(db, of: dstID), try Self.sentPlaces(db, of: srcID)]
+      // And the earlier time the changes of either began to wait: a file saved again and again
+      // by exchanging a new file with it is uploaded within `maxCoalescingNs`.
+      waitingSince = try Int64.fetchOne(
+        db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
+        arguments: [srcID, dstID])
       try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
     }
     try Self.touchDirectory(db, src.parent!, now)
@@ -941,10 +940,23 @@ public final class IndexStore: @unchecked Sendable {
       if let places = sentPlaces[i] {
         try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(arguments: [places, id])
       }
+      if let waitingSince { try inheritWaiting(db, id, since: waitingSince) }
     }
     return RenameResult(
       moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
       replaced: nil)
+  }
+
+  /// Makes the upload entry of `id` wait at most `maxCoalescingNs` from `since` (or from its
+  /// own start, if earlier): the changes of a file that took another's identity began to wait
+  /// when that one's did.
+  func inheritWaiting(_ db: Database, _ id: Int64, since: Int64) throws {
+    try db.cached(
+      """
+      UPDATE uploadQueue SET waitingSinceNs = min(coalesce(waitingSinceNs, enqueuedNs), ?1),
+        nextAttemptNs = min(nextAttemptNs, ?1 + ?2) WHERE item = ?3
+      """
+    ).execute(arguments: [since, maxCoalescingNs, id])
   }
 
   /// Queues what a move of `id` changes in the cloud: the item itself, or, if it stopped being

@@ -319,6 +319,7 @@ public final class ChangePuller: @unchecked Sendable {
         try holdForReaders(item, inode, holding: holding)
         return RemoteApplyResult(outcome: .locallyModified, inode: inode)
       }
+      lock.withLock { _ = heldForReaders.remove(inode) }
       let result = try index.applyRemote(item, uid: uid, gid: gid, collisions: collisions, holding: holding)
       // The old bytes go now, under the inode lock: an open after this point downloads the new
       // version, and its download must not be removed by a late clean-up. Open readers keep the
@@ -403,6 +404,9 @@ public final class ChangePuller: @unchecked Sendable {
     lock.withLock { _ = heldForReaders.insert(inode) }
     if !inodes.isOpen(inode) { readersClosed(inode) }
   }
+
+  /// Whether a newer version of the file at `inode` waits for its readers here to close.
+  public func waitsForReaders(_ inode: Int64) -> Bool { lock.withLock { heldForReaders.contains(inode) } }
 
   /// The last handle of the file at `inode` closed: a record that waited for its readers is
   /// applied now.

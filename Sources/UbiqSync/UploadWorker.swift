@@ -43,6 +43,10 @@ public final class UploadWorker: @unchecked Sendable {
   /// Called when the cloud refused a change that only a pull can settle: a delete of an item
   /// changed elsewhere, a move into a folder that moved meanwhile.
   public var onNeedsPull: () -> Void = {}
+  /// Whether a newer version of the file at an inode waits for the processes reading it here
+  /// to close (`ChangePuller.waitsForReaders`): its changes wait too, so that their merge does
+  /// not replace the content under those readers.
+  public var waitsForReaders: (Int64) -> Bool = { _ in false }
   /// Optional bandwidth cap for uploads.
   public var limiter: RateLimiter?
   /// Uploads whose content is being sent, by inode.
@@ -866,6 +870,7 @@ public final class UploadWorker: @unchecked Sendable {
 
   /// Commits a prepared item version (If-Match its etag), merging on conflict.
   func commit(_ entry: QueueEntry, _ inode: Int64, _ p: PreparedUpload) async throws {
+    if waitsForReaders(inode) { throw Postpone(ns: 1_000_000_000) }
     let row = p.snapshot.row
     let chunks = p.chunks
     let local = version(of: p)
@@ -967,6 +972,13 @@ public final class UploadWorker: @unchecked Sendable {
         // The other side's content would replace the cache file under a handle open for
         // writing, and what is written through it next would be lost: merge after it closes.
         if item.chunks != chunks && inodes.isBusy(inode) { throw Postpone(ns: 500_000_000) }
+        // A smaller content would cut short the processes reading the file here (the kernel
+        // keeps one size per inode): merge after the last of them closes. The pull holds the
+        // cloud's version meanwhile (`ChangePuller.shrinksWhatIsRead`).
+        if item.kind == .file && item.size < p.size && inodes.isOpen(inode) {
+          onNeedsPull()
+          throw Postpone(ns: 500_000_000)
+        }
         ifMatch = current.etag
         merged = true
       }

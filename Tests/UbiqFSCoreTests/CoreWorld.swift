@@ -110,6 +110,9 @@ final class CoreWorld: @unchecked Sendable {
       gid: getgid(), logger: log)
     puller.onApplied = { core.remoteChangesApplied($0) }
     worker.onMerged = { [weak core] in core?.remoteChangesApplied($0) }
+    let pulling = puller!
+    worker.waitsForReaders = { [weak pulling] in pulling?.waitsForReaders($0) ?? false }
+    core.lastClosed = { [weak pulling] in pulling?.readersClosed($0) }
     puller.downloader = downloader
     worker.downloader = downloader
     worker.waitClock = waitClock

@@ -230,6 +230,42 @@ import UbiqIndex
     }
   }
 
+  /// A change of this device's own (chmod) to a file whose smaller version from elsewhere
+  /// waits for its readers waits too: its merge with that version would replace the content
+  /// under them. After the last close both apply, and both devices agree.
+  @Test(arguments: [true, false])
+  func aLocalChangeWaitsWithASmallerRemoteVersionForTheReaders(pulledFirst: Bool) async throws {
+    try await onOwnThread {
+      let old = Self.noise(4 << 20, seed: 8)
+      let (a, b, _) = try Self.evictedOnB(["f": old])
+      let inode = try b.inode("f")!
+      let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+      var read = try b.core.read(reader, offset: 0, size: 1 << 20)
+      let small = Data("saved smaller elsewhere\n".utf8)
+      try a.writeFile("f", small)
+      try a.drainUploads()
+      if pulledFirst { try b.pull() }
+      _ = try b.core.setattr(inode, AttributeUpdate(mode: 0o600))
+      try b.drainUploadsOnce()
+      try b.drainUploadsOnce()
+      #expect(try b.core.getattr(inode).size == Int64(old.count), "the size the reader reads stays")
+      while read.count < old.count {
+        read += try b.core.read(reader, offset: Int64(read.count), size: min(128 << 10, old.count - read.count))
+      }
+      #expect(read == old)
+      b.core.release(reader)
+      for _ in 0..<2 {
+        try b.pull()
+        try b.drainUploads()
+        try a.pull()
+      }
+      for w in [a, b] {
+        #expect(try w.readFile("f") == small)
+        #expect(try w.core.getattr(try w.inode("f")!).mode & 0o777 == 0o600)
+      }
+    }
+  }
+
   @Test func aReaderClosingAfterARemoteReplacementLeavesANewLocalWriteAlone() async throws {
     try await onOwnThread {
       let (a, b, _) = try Self.evictedOnB(["f": Self.noise(4 << 20, seed: 5)])

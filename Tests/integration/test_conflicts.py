@@ -392,7 +392,7 @@ def test_a_swap_that_arrives_while_the_moved_file_is_open_for_writing_keeps_its_
                  what=f"the swapped files on {u.root.name}")
 
 
-@pytest.mark.parametrize("how", ["atomic save", "truncate"])
+@pytest.mark.parametrize("how", ["atomic save", "truncate", "truncate, chmod here"])
 def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_the_file_smaller(pair, how):
     """B reads a file slowly while A saves a smaller version of it (an editor's atomic save, or
     truncate). B's reader reads every byte of the version it opened, with no early end of file
@@ -415,8 +415,17 @@ def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_t
         wait_for(lambda: (b.docs / "marker").exists(), timeout=20, what="b pulled A's changes")
         status = b.run("status").stdout
         assert "waits for Documents/big.bin to be uploaded, or closed by the processes reading it" in status, status
+        if how == "truncate, chmod here":
+            # A change here waits with the smaller version: its merge would replace the content.
+            os.chmod(b.docs / "big.bin", 0o600)
+            time.sleep(3)
         rest = reader.read()
     assert len(first) + len(rest) == len(old), f"the reader read {len(first) + len(rest)} of {len(old)} bytes"
     assert first + rest == old
     new = b"smaller\n" if how == "atomic save" else old[: 1 << 20]
     wait_for(lambda: read(b.docs / "big.bin") == new, timeout=20, what="the new version on b after the close")
+    if how == "truncate, chmod here":
+        settle(a, b)
+        for u in (a, b):
+            wait_for(lambda: read(u.docs / "big.bin") == new and os.stat(u.docs / "big.bin").st_mode & 0o777 == 0o600,
+                     timeout=20, what=f"the smaller version and b's chmod on {u.root.name}")

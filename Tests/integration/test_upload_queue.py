@@ -4,6 +4,7 @@ coalesced saves, and sync --wait."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import shutil
@@ -16,6 +17,11 @@ import pytest
 from conftest import Ubiq, daemons_for_state, ubiq_mounts
 from helpers import sha256, sha256_file, write_file
 from test_devices_and_content import wait_for
+
+# renameat2(2), for saves that exchange a new file with the old one.
+libc = ctypes.CDLL(None, use_errno=True)
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
 
 
 def set_quota(u: Ubiq, quota: int) -> None:
@@ -114,7 +120,7 @@ def test_a_new_folder_changed_after_its_files_were_made_uploads_before_them(ubiq
     assert os.stat(ubiq.docs / "tree").st_mtime == 1_000_000_000
 
 
-@pytest.mark.parametrize("how", ["append", "atomic save"])
+@pytest.mark.parametrize("how", ["append", "atomic save", "exchange save"])
 def test_a_file_closed_again_and_again_is_uploaded_while_it_goes_on(ubiq, how):
     """Each close of a log written by open-append-close waits the upload delay again, so that
     changes in quick succession go as one; but not for ever: a file that keeps changing is
@@ -132,10 +138,17 @@ def test_a_file_closed_again_and_again_is_uploaded_while_it_goes_on(ubiq, how):
             if how == "append":
                 with open(log, "a") as f:
                     f.write(f"line {i}\n")
-            else:
+            elif how == "atomic save":
                 tmp = ubiq.docs / "app.log.tmp"
                 tmp.write_text(f"version {i}\n")
                 os.rename(tmp, log)
+            else:
+                # renameat2(RENAME_EXCHANGE) of a new file with it, then the old one goes.
+                tmp = ubiq.docs / "app.log.tmp"
+                tmp.write_text(f"version {i}\n")
+                if libc.renameat2(AT_FDCWD, bytes(tmp), AT_FDCWD, bytes(log), RENAME_EXCHANGE) != 0:
+                    raise OSError(ctypes.get_errno(), "renameat2")
+                os.unlink(tmp)
             i += 1
             time.sleep(0.2)
 
