@@ -823,12 +823,11 @@ public final class IndexStore: @unchecked Sendable {
           }
           // Read before the replaced row goes (its attributes and its queue entry go with it).
           let dstRemoval = try Self.removal(db, of: dst)
-          let waitingSince = try Int64.fetchOne(
-            db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
-            arguments: [dstID, srcID])
+          if dst.kind == .file && src.kind == .file {
+            inheritedWaitingSinceNs = try Self.earliestWaiting(db, of: [dstID, srcID])
+          }
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
-          if dst.kind == .file && src.kind == .file { inheritedWaitingSinceNs = waitingSince }
           if dst.kind == .file && src.kind == .file, let dstEtag = dst.etag {
             // Identity transfer: the moved file becomes the next version of the replaced item.
             // Its content stays its own: a dataless source keeps the chunk list its bytes are
@@ -925,9 +924,7 @@ public final class IndexStore: @unchecked Sendable {
       sentPlaces = [try Self.sentPlaces(db, of: dstID), try Self.sentPlaces(db, of: srcID)]
       // And the earlier time the changes of either began to wait: a file saved again and again
       // by exchanging a new file with it is uploaded within `maxCoalescingNs`.
-      waitingSince = try Int64.fetchOne(
-        db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
-        arguments: [srcID, dstID])
+      waitingSince = try Self.earliestWaiting(db, of: [srcID, dstID])
       try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
     }
     try Self.touchDirectory(db, src.parent!, now)
@@ -945,6 +942,13 @@ public final class IndexStore: @unchecked Sendable {
     return RenameResult(
       moved: try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])!,
       replaced: nil)
+  }
+
+  /// The earliest time the upload entries of rows `ids` began to wait (nil: none is queued).
+  static func earliestWaiting(_ db: Database, of ids: [Int64]) throws -> Int64? {
+    try Int64.fetchOne(
+      db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
+      arguments: [ids[0], ids[1]])
   }
 
   /// Makes the upload entry of `id` wait at most `maxCoalescingNs` from `since` (or from its

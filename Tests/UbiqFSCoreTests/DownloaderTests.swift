@@ -33,7 +33,12 @@ import UbiqIndex
   static func readInOrder(_ w: CoreWorld, _ inode: Int64, size: Int) throws -> Data {
     let h = try w.core.open(inode, flags: O_RDONLY, caller: .current).handle
     defer { w.core.release(h) }
-    var read = Data()
+    return try readOn(w, h, after: Data(), size: size)
+  }
+
+  /// Reads on through handle `h`, from the end of `read` up to `size`, in 128 KiB reads.
+  static func readOn(_ w: CoreWorld, _ h: UInt64, after read: Data, size: Int) throws -> Data {
+    var read = read
     while read.count < size {
       read += try w.core.read(h, offset: Int64(read.count), size: min(128 << 10, size - read.count))
     }
@@ -213,16 +218,13 @@ import UbiqIndex
       let (a, b, _) = try Self.evictedOnB(["f": old])
       let inode = try b.inode("f")!
       let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
-      var read = try b.core.read(reader, offset: 0, size: 1 << 20)
+      let read = try b.core.read(reader, offset: 0, size: 1 << 20)
       let small = Data("saved smaller elsewhere\n".utf8)
       try a.writeFile("f", small)
       try a.drainUploads()
       try b.pull()
       #expect(try b.core.getattr(inode).size == Int64(old.count), "the size the reader reads stays")
-      while read.count < old.count {
-        read += try b.core.read(reader, offset: Int64(read.count), size: min(128 << 10, old.count - read.count))
-      }
-      #expect(read == old)
+      #expect(try Self.readOn(b, reader, after: read, size: old.count) == old)
       b.core.release(reader)
       try b.pull()
       #expect(try b.readFile("f") == small)
@@ -240,7 +242,7 @@ import UbiqIndex
       let (a, b, _) = try Self.evictedOnB(["f": old])
       let inode = try b.inode("f")!
       let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
-      var read = try b.core.read(reader, offset: 0, size: 1 << 20)
+      let read = try b.core.read(reader, offset: 0, size: 1 << 20)
       let small = Data("saved smaller elsewhere\n".utf8)
       try a.writeFile("f", small)
       try a.drainUploads()
@@ -249,10 +251,7 @@ import UbiqIndex
       try b.drainUploadsOnce()
       try b.drainUploadsOnce()
       #expect(try b.core.getattr(inode).size == Int64(old.count), "the size the reader reads stays")
-      while read.count < old.count {
-        read += try b.core.read(reader, offset: Int64(read.count), size: min(128 << 10, old.count - read.count))
-      }
-      #expect(read == old)
+      #expect(try Self.readOn(b, reader, after: read, size: old.count) == old)
       b.core.release(reader)
       for _ in 0..<2 {
         try b.pull()
