@@ -879,6 +879,8 @@ public final class UploadWorker: @unchecked Sendable {
     noteSent([(entry.seq, local)])
     var item = local
     var ifMatch = row.etag
+    // The cloud's version that `ifMatch` names, as far as this device knows it.
+    var inCloud = row.baseItem
     var merged = false
     // The committed version mixes both sides: bring the local row in line with it.
     func adopt(_ result: CloudItem, keepingPlace: Bool) throws {
@@ -912,9 +914,12 @@ public final class UploadWorker: @unchecked Sendable {
         // (two names swapped, folders exchanged, `mv a t; mv b a; mv t b`), waiting cannot help:
         // each entry would wait for the other forever. This one steps aside under a temporary
         // name in its new folder, the other commits, and this entry's next attempt takes the
-        // name. If it already stepped aside, the name is really taken: retry with backoff.
+        // name. If the cloud has it aside already, the name is really taken: retry with
+        // backoff. (A version that stepped aside and was moved elsewhere since, into the
+        // folder that holds the name, say, steps aside again: the holder may be waiting for
+        // it to leave.)
         let aside = ItemName.aside(item.name, itemID: item.itemID)
-        guard row.baseItem?.name != aside || row.baseItem?.parentID != item.parentID else {
+        guard inCloud?.name != aside || inCloud?.parentID != item.parentID else {
           throw CloudError.nameTaken(why)
         }
         var parked = item
@@ -980,6 +985,7 @@ public final class UploadWorker: @unchecked Sendable {
           throw Postpone(ns: 500_000_000)
         }
         ifMatch = current.etag
+        inCloud = current
         merged = true
       }
     }

@@ -2087,6 +2087,16 @@ final class SyncSimulation {
       (2, 8, 0, 0, 0), (1, 4, 9, 2, 0), (1, 25, 2, 2, 0), (1, 18, 12, 3, 0), (0, 25, 2, 2, 0), (0, 8, 2, 2, 0),
       (0, 5, 7, 9, 0), (1, 18, 3, 2, 0), (1, 20, 2, 2, 0),
     ],
+    // Device 1 moves d/e into e and then over the empty e/d/e (`mv e/e e/d/`); device 0 moves
+    // d/e into e/d/e. Device 1's commit meets the name held by e/d/e and steps d/e aside; the
+    // delete of e/d/e is lost; device 0's move then takes d/e into e/d/e. Device 1's next commit
+    // must step aside again (out of e/d/e), or the delete of e/d/e waits for d/e to leave and
+    // d/e for e/d/e to go, for ever (found by the folder soak, seed
+    // b+m94S+PMn7s+5YoquyAs4xIWZcXnrp6F/L241fc3wY=; a liveness failure).
+    [
+      (0, 17, 12, 0, 0), (0, 17, 13, 0, 0), (0, 17, 14, 0, 0), (0, 0, 8, 0, 0), (0, 6, 0, 0, 0), (1, 8, 0, 0, 0),
+      (2, 8, 0, 0, 0), (1, 18, 7, 3, 0), (1, 18, 11, 9, 0), (0, 18, 7, 13, 0), (1, 7, 2, 2, 2119),
+    ],
   ]
 
   /// A late copy of an old page of the feed (found by the sync-simulation soak, seed
