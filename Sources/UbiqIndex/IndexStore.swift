@@ -573,10 +573,49 @@ public final class IndexStore: @unchecked Sendable {
       } else if row.isDirectory {
         throw UbiqError.isDirectory(name)
       }
-      try self.deleteRow(db, row)
+      if try !self.passIdentityToANewFileAtItsCloudPlace(db, row) {
+        try self.deleteRow(db, row)
+      }
       try Self.touchDirectory(db, parent, self.clock.nowNs())
       return row
     }
+  }
+
+  /// Removes file `row` by handing its cloud identity to the file that now holds its place in
+  /// the cloud (its base's folder and name), if that file is new here and was never sent: an
+  /// editor's save that keeps the old file as a backup until the new one is written (`mv f f~`,
+  /// write f, `rm f~`). The new file becomes the next version of the removed one's item, as a
+  /// file renamed over it does: the cloud gets a new version of f, not a delete of f and a new
+  /// item, and an edit of f made meanwhile elsewhere meets it as an edit (a conflict version,
+  /// nothing deleted). The new file's upload waits from when the removed one's changes began
+  /// to wait, so a file saved so again and again is uploaded within `maxCoalescingNs`. Returns
+  /// false, having changed nothing, for any other removal.
+  func passIdentityToANewFileAtItsCloudPlace(_ db: Database, _ row: ItemRow) throws -> Bool {
+    guard row.kind == .file, let id = row.id, let etag = row.etag, let base = row.baseItem, !base.deleted,
+      base.itemID == row.itemID, let baseParentID = base.parentID,
+      let baseParent = try Int64.fetchOne(
+        db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
+      let heirID = try Self.childID(db, baseParent, base.name), heirID != id,
+      let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [heirID]),
+      heir.kind == .file, heir.etag == nil, heir.base == nil,
+      try !Self.uploadAttempted(db, heir), try !Self.isLocalOnly(db, heirID)
+    else { return false }
+    let removal = try Self.removal(db, of: row)
+    let waitingSince = try Self.earliestWaiting(db, of: [id, heirID])
+    try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [id])
+    try db.execute(
+      sql:
+        "UPDATE items SET itemID = ?, etag = ?, chunks = ?, base = ?, conflicts = ?, syncedRevision = 0 WHERE id = ?",
+      arguments: [
+        row.itemID, etag, heir.content == .cached ? row.chunks : heir.chunks, row.base,
+        ItemRow.combinedConflicts(row.conflictList, heir.conflictList), heirID,
+      ])
+    try enqueue(db, heirID)
+    if let sentPlaces = removal.sentPlaces {
+      try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(arguments: [sentPlaces, heirID])
+    }
+    if let waitingSince { try inheritWaiting(db, heirID, since: waitingSince) }
+    return true
   }
 
   /// Deletes a row and queues its cloud delete. The delete is queued even when the item has no

@@ -2527,6 +2527,54 @@ final class SyncSimulation {
     }
   }
 
+  /// An editor that keeps a backup while it saves (vim: `mv f f~`, write a new f, `rm f~`)
+  /// saves a new version of f: when the backup goes, the new file takes f's cloud identity,
+  /// and no delete of f is sent. Saved again and again, f stays in the cloud all along, and
+  /// every device sees edits of one file; an edit made meanwhile on another device is kept as
+  /// a conflict version, as for any two edits.
+  @Test func aSaveThatKeepsABackupWhileItWritesIsANewVersionOfTheFile() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      try a.writeFile("f", Data("v0\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let id = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+      func save(_ data: Data) throws {
+        try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "f~", flags: [])
+        try a.writeFile("f", data)
+        try a.core.unlink(parent: a.documents, name: "f~")
+      }
+      for i in 1...3 {
+        try save(Data("v\(i)\n".utf8))
+        #expect(try a.index.queueSummary().pendingDeletes == 0, "save \(i) queued a delete")
+      }
+      try a.drainUploads()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try w.readFile("f") == Data("v3\n".utf8))
+        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
+        #expect(try w.inode("f~") == nil)
+      }
+      // Another device edits f while this one saves it again.
+      let theirs = Data("b's edit\n".utf8)
+      try b.writeFile("f", theirs)
+      try b.drainUploads()
+      try save(Data("v4\n".utf8))
+      try a.drainUploads()
+      try a.pull()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try Self.holds(w, "f", theirs), "the other device's edit is kept")
+        #expect(try Self.holds(w, "f", Data("v4\n".utf8)), "the save is kept")
+        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
+      }
+      let container = a.container
+      let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
+      #expect(!records.contains { $0.itemID == id && $0.deleted }, "f was never deleted in the cloud")
+      #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
+    }
+  }
+
   /// Whether device `w` still has `data` at `path`: as the content or as a conflict version.
   static func holds(_ w: CoreWorld, _ path: String, _ data: Data) throws -> Bool {
     guard let inode = try w.inode(path), let row = try w.index.item(inode) else { return false }

@@ -1,5 +1,6 @@
 import Foundation
 import GRDB
+import Synchronization
 import Testing
 
 @testable import UbiqCore
@@ -334,6 +335,47 @@ import Testing
     _ = try index.rename(parent: docs, name: "x", newParent: docs, newName: "y", mode: .exchange)
     #expect(try index.queueEntry(forInode: y)?.unansweredPlaces == [atD], "x's identity is y's now")
     #expect(try index.queueEntry(forInode: x)?.unansweredPlaces == [])
+  }
+
+  /// A file saved vim-style again and again (`mv f f~`, a new f, `rm f~`, every 0.4 s) is
+  /// uploaded while the saves go on, as one saved atomically is: each new f takes the identity
+  /// of the one removed, with the time its changes began to wait, so an upload of f is due
+  /// within `maxCoalescingNs` of the first save; and no delete of f is ever due.
+  @Test func aFileSavedWithABackupAgainAndAgainIsDueWhileTheSavesGoOn() throws {
+    let dir = FileManager.default.temporaryDirectory.appendingPathComponent("index-write-\(UUID().uuidString)")
+    try FileManager.default.createDirectory(at: dir, withIntermediateDirectories: true)
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let time = Mutex<Int64>(1_000_000_000_000)
+    let index = try IndexStore(
+      path: dir.appendingPathComponent("index.sqlite").path, clock: WallClock { time.withLock { $0 } })
+    try index.bootstrap(uid: 0, gid: 0)
+    index.uploadDelayNs = 1_000_000_000
+    let docs = try Self.documents(index)
+    let documentsID = try #require(try index.item(docs)?.itemID)
+    let file = try #require(try index.create(parent: docs, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let row = try #require(try index.item(file))
+    var stored = CloudItem(
+      itemID: row.itemID, parentID: documentsID, name: "f", kind: .file, mode: 0o644, size: 0, mtimeNs: 0, etag: "1",
+      deviceID: "device-a")
+    stored.changeSeq = 1
+    let entry = try #require(try index.queueEntry(forInode: file))
+    try index.markUploaded(seq: entry.seq, inode: file, itemID: row.itemID, revision: row.revision, result: stored)
+    #expect(try index.queueSummary().pendingItems == 0)
+    let start = time.withLock { $0 }
+    var dueAt: Int64? = nil
+    for _ in 0..<20 {
+      _ = try index.rename(parent: docs, name: "f", newParent: docs, newName: "f~", mode: .replace)
+      _ = try index.create(parent: docs, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0)
+      _ = try index.remove(parent: docs, name: "f~", directory: false)
+      time.withLock { $0 += 400_000_000 }
+      let now = time.withLock { $0 }
+      let due = try index.dueQueue(now: now, limit: 10)
+      #expect(!due.contains { $0.deleteItemID != nil }, "a delete is due at \(now - start) ns: \(due)")
+      let ids = try due.compactMap { try $0.item.flatMap { try index.item($0)?.itemID } }
+      if dueAt == nil, ids.contains(row.itemID) { dueAt = now - start }
+    }
+    let waited = try #require(dueAt, "f was not due in 8 s of saves")
+    #expect(waited <= index.maxCoalescingNs + 400_000_000)
   }
 
   /// Every delete a user's removal queues remembers the item as they saw it, its extended

@@ -429,3 +429,38 @@ def test_a_reader_reads_the_whole_version_it_opened_while_another_device_makes_t
         for u in (a, b):
             wait_for(lambda: read(u.docs / "big.bin") == new and os.stat(u.docs / "big.bin").st_mode & 0o777 == 0o600,
                      timeout=20, what=f"the smaller version and b's chmod on {u.root.name}")
+
+
+def test_a_file_saved_with_a_backup_again_and_again_stays_on_the_other_device(pair):
+    """A saves f as vim does (`mv f f~`, write a new f, `rm f~`) every 0.4 s for 8 s. B has f
+    the whole time, never an f~, and gets newer versions while the saves go on (the new file
+    takes f's identity when the backup goes: an edit of f, not a delete and a new file); when
+    they stop, both devices have the last save, with no conflict version."""
+    a, b = pair
+    (a.docs / "f").write_text("version 0\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "f").exists(), what="f on b")
+    seen, missing, backups = set(), 0, 0
+    end = time.time() + 8
+    i = 0
+    while time.time() < end:
+        i += 1
+        os.rename(a.docs / "f", a.docs / "f~")
+        (a.docs / "f").write_text(f"version {i}\n")
+        os.unlink(a.docs / "f~")
+        stop = time.time() + 0.4
+        while time.time() < stop:
+            try:
+                seen.add(read(b.docs / "f"))
+            except FileNotFoundError:
+                missing += 1
+            backups += (b.docs / "f~").exists()
+            time.sleep(0.05)
+    assert missing == 0, f"f was missing on b {missing} times while a saved it"
+    assert backups == 0, f"b saw the backup f~ {backups} times"
+    assert len(seen - {b"version 0\n"}) >= 1, f"b got no newer version while a saved: {seen}"
+    settle(a, b)
+    last = f"version {i}\n".encode()
+    for u in (a, b):
+        wait_for(lambda: tree(u) == {"f": last}, timeout=20, what=f"the last save alone on {u.root.name}")
+        assert Ubiq.xattr(u.docs / "f", "user.ubiq.conflicts") == "0"
