@@ -582,9 +582,9 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Removes file `row` by handing its cloud identity to the file that now holds its place in
-  /// the cloud (its base's folder and name), if that file is new here and was never sent: an
-  /// editor's save that keeps the old file as a backup until the new one is written (`mv f f~`,
-  /// write f, `rm f~`). The new file becomes the next version of the removed one's item, as a
+  /// the cloud (its base's folder and name), if that file is new here and was never sent and
+  /// `row` is in that folder: an editor's save that keeps the old file as a backup beside it
+  /// until the new one is written (`mv f f~`, write f, `rm f~`). The new file becomes the next version of the removed one's item, as a
   /// file renamed over it does: the cloud gets a new version of f, not a delete of f and a new
   /// item, and an edit of f made meanwhile elsewhere meets it as an edit (a conflict version,
   /// nothing deleted). The new file's upload waits from when the removed one's changes began
@@ -595,7 +595,7 @@ public final class IndexStore: @unchecked Sendable {
       base.itemID == row.itemID, let baseParentID = base.parentID,
       let baseParent = try Int64.fetchOne(
         db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-      let heirID = try Self.childID(db, baseParent, base.name), heirID != id,
+      row.parent == baseParent, let heirID = try Self.childID(db, baseParent, base.name), heirID != id,
       let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [heirID]),
       heir.kind == .file, heir.etag == nil, heir.base == nil,
       try !Self.uploadAttempted(db, heir), try !Self.isLocalOnly(db, heirID)
@@ -611,9 +611,14 @@ public final class IndexStore: @unchecked Sendable {
         ItemRow.combinedConflicts(row.conflictList, heir.conflictList), heirID,
       ])
     try enqueue(db, heirID)
-    if let sentPlaces = removal.sentPlaces {
-      try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(arguments: [sentPlaces, heirID])
-    }
+    // The places of the removed file's commits with no answer yet, and the place it had: a
+    // commit of it there may be on its way unnoted (the uploader notes a commit after it
+    // checked the row). A version of this device's own at one of them is no other device's
+    // change, and the new file's place wins over it.
+    var sent = removal.sentPlaces.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []
+    if let seen = removal.seen, !sent.contains(seen) { sent.append(seen) }
+    try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(
+      arguments: [ItemRow.json(Array(sent.suffix(Self.maxSentPlaces))), heirID])
     if let waitingSince { try inheritWaiting(db, heirID, since: waitingSince) }
     return true
   }
@@ -1013,7 +1018,27 @@ public final class IndexStore: @unchecked Sendable {
       try detachSubtree(db, id, before: before)
     } else {
       try enqueue(db, id)
+      try letAMoveAwayWait(db, id)
     }
+  }
+
+  /// A synced item moved away from the place its cloud version has waits the upload delay
+  /// even once its changes have waited `maxCoalescingNs` (but no longer than twice that): an
+  /// editor's save that keeps the old file as a backup renames it away and removes it a moment
+  /// later, and the new file takes its identity (`passIdentityToANewFileAtItsCloudPlace`) only
+  /// if the rename has not been committed meanwhile.
+  func letAMoveAwayWait(_ db: Database, _ id: Int64) throws {
+    guard let row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [id]),
+      row.etag != nil, let base = row.baseItem, let parent = row.parent,
+      let parentID = try String.fetchOne(db.cached("SELECT itemID FROM items WHERE id = ?"), arguments: [parent]),
+      base.parentID != parentID || base.name != row.name
+    else { return }
+    try db.cached(
+      """
+      UPDATE uploadQueue SET nextAttemptNs = max(nextAttemptNs, min(?1, coalesce(waitingSinceNs, enqueuedNs) + ?2))
+      WHERE item = ?3
+      """
+    ).execute(arguments: [self.clock.nowNs() + uploadDelayNs, 2 * maxCoalescingNs, id])
   }
 
   /// The parent of item `id` here (nil for the root or a missing item).
