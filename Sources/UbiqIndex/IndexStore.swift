@@ -582,8 +582,8 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// Removes file `row` by handing its cloud identity to the file that now holds its place in
-  /// the cloud (its base's folder and name), if that file is new here and was never sent and
-  /// `row` is in that folder: an editor's save that keeps the old file as a backup beside it
+  /// the cloud (its base's folder and name), if that file is new here (not confirmed in the
+  /// cloud) and `row` is in that folder: an editor's save that keeps the old file as a backup beside it
   /// until the new one is written (`mv f f~`, write f, `rm f~`). The new file becomes the next version of the removed one's item, as a
   /// file renamed over it does: the cloud gets a new version of f, not a delete of f and a new
   /// item, and an edit of f made meanwhile elsewhere meets it as an edit (a conflict version,
@@ -597,10 +597,17 @@ public final class IndexStore: @unchecked Sendable {
         db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
       row.parent == baseParent, let heirID = try Self.childID(db, baseParent, base.name), heirID != id,
       let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [heirID]),
-      heir.kind == .file, heir.etag == nil, heir.base == nil,
-      try !Self.uploadAttempted(db, heir), try !Self.isLocalOnly(db, heirID)
+      heir.kind == .file, heir.etag == nil, heir.base == nil, try !Self.isLocalOnly(db, heirID)
     else { return false }
     let removal = try Self.removal(db, of: row)
+    // A first commit of the new file may have been sent (its reply lost, or the commit still
+    // on its way): the item it would have made goes, as for a file renamed over another.
+    if try Self.uploadAttempted(db, heir) {
+      var heirRemoval = try Self.removal(db, of: heir)
+      heirRemoval.keepsVersions = false
+      try enqueueDelete(db, heirRemoval)
+      try db.cached("UPDATE uploadQueue SET commitSent = 0, attempts = 0 WHERE item = ?").execute(arguments: [heirID])
+    }
     let waitingSince = try Self.earliestWaiting(db, of: [id, heirID])
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [id])
     try db.execute(
@@ -621,6 +628,27 @@ public final class IndexStore: @unchecked Sendable {
       arguments: [ItemRow.json(Array(sent.suffix(Self.maxSentPlaces))), heirID])
     if let waitingSince { try inheritWaiting(db, heirID, since: waitingSince) }
     return true
+  }
+
+  /// The file that holds the place the cloud version of `row` has, in the same folder as `row`,
+  /// if it is new here (not confirmed in the cloud), and `row` moved away from that place less than
+  /// twice `maxCoalescingNs` ago (`ctimeNs`): an editor's save that keeps the old file as a
+  /// backup is writing it (`passIdentityToANewFileAtItsCloudPlace`). Nil otherwise.
+  public func unsentFileAtTheCloudPlace(of row: ItemRow) throws -> Int64? {
+    guard row.kind == .file, row.etag != nil, let base = row.baseItem, !base.deleted, base.itemID == row.itemID,
+      let baseParentID = base.parentID, self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs
+    else { return nil }
+    return try pool.read { db -> Int64? in
+      guard
+        let baseParent = try Int64.fetchOne(
+          db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
+        row.parent == baseParent, base.name != row.name,
+        let holderID = try Self.childID(db, baseParent, base.name),
+        let holder = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [holderID]),
+        holder.kind == .file, holder.etag == nil, holder.base == nil
+      else { return nil }
+      return holderID
+    }
   }
 
   /// Deletes a row and queues its cloud delete. The delete is queued even when the item has no

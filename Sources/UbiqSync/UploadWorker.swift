@@ -740,6 +740,14 @@ public final class UploadWorker: @unchecked Sendable {
     let row = snap.row
     var chunks: [ChunkRef] = []
     var size = row.size
+    // A file renamed away from its cloud place while a new file there is being written: an
+    // editor's save that keeps the old file as a backup and removes it once the new one is
+    // written, which then takes its identity. Committed meanwhile, the backup's name would
+    // reach the other devices, an edit made there would go into the backup, and its removal
+    // would delete the edit with it.
+    if let holder = try index.unsentFileAtTheCloudPlace(of: row), inodes.isBusy(holder) {
+      throw Postpone(ns: 200_000_000)
+    }
     lock.withLock { sending[inode] = UploadProgress(inode: inode, path: row.name, sentBytes: 0, totalBytes: row.size) }
     defer { lock.withLock { _ = sending.removeValue(forKey: inode) } }
     if row.kind == .file, row.content == .cached, inodes.dirtyHandleCount(inode) > 0, row.etag != nil,

@@ -2575,6 +2575,50 @@ final class SyncSimulation {
     }
   }
 
+  /// vim's own order (`mv f f~`, open a new f, write, fsync, `rm f~`, close), with the
+  /// writing slower than the upload delay, while another device edits f: the backup's rename
+  /// waits while the new file at f's cloud place is open for writing, so it is never
+  /// committed, f never leaves the other device, the new file takes f's identity when the
+  /// backup goes, and the other device's edit is kept as a conflict version (it was merged
+  /// into the backup and deleted with it, on every device).
+  @Test func anEditElsewhereDuringASlowSaveThatKeepsABackupIsKept() async throws {
+    try await onOwnThread {
+      let (a, b, cloud) = try CoreWorld.pair()
+      try a.writeFile("f", Data("v0\n".utf8))
+      try a.drainUploads()
+      try b.pull()
+      let id = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+      try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "f~", flags: [])
+      let (_, opened) = try a.core.create(parent: a.documents, name: "f", mode: 0o644, caller: .current)
+      let saved = Data("saved on a\n".utf8)
+      _ = try saved.withUnsafeBytes { try a.core.write(opened.handle, $0, offset: 0) }
+      // The writing takes longer than the upload delay: the uploader runs meanwhile.
+      try a.drainUploadsOnce()
+      try b.pull()
+      #expect(try b.inode("f~") == nil, "the backup's name reached the other device")
+      let theirs = Data("b's edit\n".utf8)
+      try b.writeFile("f", theirs)
+      try b.drainUploads()
+      try a.pull()
+      try a.core.fsync(opened.handle, dataOnly: false)
+      try a.core.unlink(parent: a.documents, name: "f~")
+      try a.core.flush(opened.handle)
+      a.core.release(opened.handle)
+      try a.drainUploads()
+      try a.pull()
+      try b.pull()
+      for w in [a, b] {
+        #expect(try Self.holds(w, "f", theirs), "the other device's edit is kept")
+        #expect(try Self.holds(w, "f", saved), "the save is kept")
+        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
+        #expect(try w.inode("f~") == nil)
+      }
+      let container = a.container
+      let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
+      #expect(!records.contains { $0.itemID == id && $0.deleted }, "f was deleted in the cloud")
+    }
+  }
+
   /// Whether device `w` still has `data` at `path`: as the content or as a conflict version.
   static func holds(_ w: CoreWorld, _ path: String, _ data: Data) throws -> Bool {
     guard let inode = try w.inode(path), let row = try w.index.item(inode) else { return false }

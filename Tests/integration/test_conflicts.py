@@ -464,3 +464,37 @@ def test_a_file_saved_with_a_backup_again_and_again_stays_on_the_other_device(pa
     for u in (a, b):
         wait_for(lambda: tree(u) == {"f": last}, timeout=20, what=f"the last save alone on {u.root.name}")
         assert Ubiq.xattr(u.docs / "f", "user.ubiq.conflicts") == "0"
+
+
+def test_an_edit_elsewhere_during_a_slow_save_that_keeps_a_backup_is_kept(pair):
+    """A saves f as vim does (`mv f f~`, open a new f, write, fsync, `rm f~`, close), the
+    writing taking 3 s, longer than the upload delay; 1 s in, B writes f. B's write is kept
+    (current or a conflict version of f, on both devices), B never sees f~, and f never
+    leaves B."""
+    a, b = pair
+    (a.docs / "f").write_text("version 0\n")
+    settle(a, b)
+    wait_for(lambda: (b.docs / "f").exists(), what="f on b")
+    os.rename(a.docs / "f", a.docs / "f~")
+    fd = os.open(a.docs / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+    missing = backups = 0
+    for i in range(6):
+        os.write(fd, f"A line {i}\n".encode())
+        stop = time.time() + 0.5
+        while time.time() < stop:
+            missing += not (b.docs / "f").exists()
+            backups += (b.docs / "f~").exists()
+            time.sleep(0.05)
+        if i == 1:
+            (b.docs / "f").write_text("B edit\n")
+    os.fsync(fd)
+    os.unlink(a.docs / "f~")
+    os.close(fd)
+    settle(a, b, rounds=3)
+    assert missing == 0 and backups == 0, f"on b while a saved: f missing {missing} times, f~ seen {backups} times"
+    for u in (a, b):
+        wait_for(lambda: sorted(os.listdir(u.docs)) == ["f"], timeout=20, what=f"f alone on {u.root.name}")
+        kept = {u.run("versions", u.docs / "f", "--cat", v["version"]).stdout for v in versions(u, u.docs / "f")}
+        kept.add(read(u.docs / "f").decode())
+        assert "B edit\n" in kept, f"b's write is gone on {u.root.name}: {kept}"
+        assert "".join(f"A line {i}\n" for i in range(6)) in kept, kept
