@@ -406,6 +406,9 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if write.device.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
     if write.timestamp < 0 { throw CloudError.invalid("timestamp \(write.timestamp) is negative") }
     if let value = write.value {
+      if value.depth > JSONValue.maxDepth {
+        throw CloudError.invalid("the value nests deeper than \(JSONValue.maxDepth) levels")
+      }
       let cost = try KVLimits.cost(key: write.key, value: value)
       if cost > kvLimits.maxTotalBytes {
         throw KeyValueError.quotaViolation("one entry of \(cost) bytes exceeds \(kvLimits.maxTotalBytes) bytes")

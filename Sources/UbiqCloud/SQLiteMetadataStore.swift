@@ -759,11 +759,17 @@ public enum CommitRule {
   /// delete), and must not bring the item back unseen; the client that meant it merges and
   /// sends it again with the tombstone's etag. A delete of a tombstone needs no etag (or its
   /// own). A missing item needs none; an etag for an item that never existed is `notFound`.
+  /// A live item keeps its kind: a folder rewritten as a file would leave its items under a
+  /// non-folder, and no client turns one item into another kind (a file saved over a folder's
+  /// name is a new item).
   public static func check(current: CloudItem?, ifMatch: String?, writing item: CloudItem) throws {
     if let current {
       let etagNeeded = !current.deleted || !item.deleted
       if ifMatch != current.etag && (etagNeeded || ifMatch != nil) {
         throw CloudError.conflict(current: current)
+      }
+      if !current.deleted && !item.deleted && current.kind != item.kind {
+        throw CloudError.invalid("item \(item.itemID) is a \(current.kind): an item's kind does not change")
       }
     } else if ifMatch != nil {
       throw CloudError.notFound("item \(item.itemID)")

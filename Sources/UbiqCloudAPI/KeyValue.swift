@@ -43,6 +43,28 @@ public enum JSONValue: Codable, Sendable, Equatable {
     }
   }
 
+  /// The deepest a stored value nests (an array or object is one level): the answers that carry
+  /// it wrap it in a few more levels, within the 512 a JSON reader takes.
+  public static let maxDepth = 500
+
+  /// How deep the value nests: 0 for a scalar, 1 for an array or object of scalars.
+  public var depth: Int {
+    var deepest = 0
+    var stack: [(JSONValue, Int)] = [(self, 0)]
+    while let (value, above) = stack.popLast() {
+      switch value {
+      case .array(let a):
+        deepest = max(deepest, above + 1)
+        stack += a.map { ($0, above + 1) }
+      case .object(let o):
+        deepest = max(deepest, above + 1)
+        stack += o.values.map { ($0, above + 1) }
+      default: break
+      }
+    }
+    return deepest
+  }
+
   /// The canonical JSON text of the value (sorted keys); its size counts against the limits.
   public func jsonData() throws -> Data {
     let e = JSONEncoder()

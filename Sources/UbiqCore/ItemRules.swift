@@ -72,8 +72,8 @@ extension CloudItem {
     do { try ItemName.validateInCloud(name) } catch { return .invalid("\(error)") }
     guard let parentID else { return .invalid("item \(itemID) has no parent") }
     if parentID == itemID { return .cycle("item \(itemID) is its own folder") }
-    if itemID == WellKnownItem.documents && parentID != WellKnownItem.root {
-      return .invalid("Documents stays in the container root")
+    if itemID == WellKnownItem.documents && (parentID != WellKnownItem.root || kind != .directory) {
+      return .invalid("Documents is a folder in the container root")
     }
     if kind == .symlink && (symlinkTarget ?? "").isEmpty { return .invalid("symlink without target") }
     if let target = symlinkTarget, target.utf8.count > Self.maxSymlinkTargetBytes || target.utf8.contains(0) {

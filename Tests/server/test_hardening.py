@@ -99,6 +99,32 @@ def test_a_folder_with_live_items_is_not_deleted(api):
     assert api.delete(f"{CQ}/items/nd", headers={"If-Match": f'"{d["etag"]}"'}).status == 200
 
 
+def test_an_items_kind_never_changes_and_documents_stays_a_folder(api):
+    """A live item keeps its kind: a folder rewritten as a file or a symlink would leave its
+    items under a non-folder (and Documents so would refuse every new item); a file rewritten
+    as a folder is refused the same way. Documents is a folder in every write, a batch's too.
+    Nothing is stored, and the tree still takes new items."""
+    api.ensure_container(C)
+    f = put(api, folder("kc", "kindchange")).json()
+    assert api.put(f"/v1/chunks/{sha(b'inside')}", b"inside").status in (200, 201)
+    assert put(api, item("kc-file", "f.txt", b"inside", parent="kc")).status == 201
+    error(put(api, dict(item("kc", "kindchange"), size=0, chunks=[]), if_match=f["etag"]), 400, "invalid")
+    link = item("kc", "kindchange", kind=3, symlinkTarget="/etc", mode=0o777)
+    error(put(api, link, if_match=f["etag"]), 400, "invalid")
+    g = api.get(f"{CQ}/items/kc-file").json()
+    error(put(api, folder("kc-file", "f.txt", parent="kc"), if_match=g["etag"]), 400, "invalid")
+    docs = api.get(f"{CQ}/items/documents").json()
+    as_link = dict(item("documents", "Documents", kind=3, symlinkTarget="/etc", mode=0o777), parentID="root")
+    error(put(api, as_link, if_match=docs["etag"]), 400, "invalid")
+    batch = api.post(f"{CQ}/items", {"puts": [{"item": as_link, "ifMatch": docs["etag"]}]})
+    assert batch.status == 200 and batch.json()["committed"] == [], batch.json()
+    assert batch.json()["refused"]["code"] == "invalid", batch.json()
+    assert api.get(f"{CQ}/items/kc").json()["kind"] == 2
+    assert api.get(f"{CQ}/items/kc-file").json()["kind"] == 1
+    assert api.get(f"{CQ}/items/documents").json()["kind"] == 2
+    assert put(api, item("kc-new", "new.txt", b"inside")).status == 201
+
+
 # ---------------------------------------------------------------------------- numbers
 
 
@@ -313,6 +339,22 @@ def test_kv_value_over_the_limit_gets_the_quota_error(api):
     error(api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": -1}), 400, "invalid")
     error(api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": 1, "device": "d" * 200}), 400, "invalid")
     assert api.put(f"{CQ}/kv/t", {"value": 1, "timestamp": 1}).status == 200
+
+
+def test_a_kv_value_nested_too_deep_to_answer_is_refused(api):
+    """A key-value value is nested at most 500 levels: the answers wrap it in a few more, and a
+    deeper one, stored, would make every read of the container's store a 500. It is a 400, and
+    nothing is stored; 500 levels are stored and read back."""
+    api.ensure_container(C)
+    for depth in (501, 509, 511):
+        body = ('{"value":' + "[" * depth + "]" * depth + ',"timestamp":1}').encode()
+        error(api.put(f"{CQ}/kv/deep", body), 400, "invalid")
+    r = api.get(f"{CQ}/kv")
+    assert r.status == 200 and not any(e["key"] == "deep" for e in r.json()["entries"]), r
+    body = ('{"value":' + "[" * 500 + "]" * 500 + ',"timestamp":1}').encode()
+    assert api.put(f"{CQ}/kv/deep", body).status == 200
+    r = api.get(f"{CQ}/kv")
+    assert r.status == 200 and any(e["key"] == "deep" for e in r.json()["entries"]), r
 
 
 def test_json_with_a_bom_or_duplicate_keys_is_refused(api):
