@@ -21,7 +21,9 @@ public enum AccountName {
   }
 
   public static func validateDevice(_ name: String) throws {
-    guard !name.isEmpty, name.utf8.count <= 128, !name.unicodeScalars.contains(where: { $0.value < 0x20 }) else {
+    guard !name.isEmpty, name.utf8.count <= 128,
+      !name.unicodeScalars.contains(where: { $0.properties.generalCategory == .control })
+    else {
       throw CloudError.invalid("device name must be 1-128 bytes without control characters")
     }
   }

@@ -65,7 +65,9 @@ extension CloudItem {
     for v in conflicts ?? [] where !Identifier.isValid(v.versionID) {
       return .invalidID("conflict version id \(Identifier.quoted(v.versionID))")
     }
-    if deviceID.utf8.count > 128 || (contentDeviceID?.utf8.count ?? 0) > 128 {
+    if deviceID.utf8.count > 128 || (contentDeviceID?.utf8.count ?? 0) > 128
+      || (conflicts ?? []).contains(where: { $0.deviceID.utf8.count > 128 })
+    {
       return .invalid("device id longer than 128 bytes")
     }
     if (settledNameOf?.utf8.count ?? 0) > 128 { return .invalid("settledNameOf longer than 128 bytes") }

@@ -179,6 +179,15 @@ def test_device_ids_are_length_checked_and_the_content_author_round_trips(api):
     api.ensure_container(C)
     error(put(api, dict(folder("dev1", "dev1"), deviceID="d" * 129)), 400, "invalid")
     error(put(api, dict(item("dev2", "dev2.bin"), contentDeviceID="d" * 129)), 400, "invalid")
+    data = b"a conflict version"
+    assert api.put(f"/v1/chunks/{sha(data)}", data).status in (200, 201)
+    version = {"versionID": "v1", "deviceID": "d" * 129, "mtimeNs": 1, "size": len(data),
+               "chunks": [{"hash": sha(data), "length": len(data)}]}
+    error(put(api, dict(item("dev4", "dev4.bin"), conflicts=[version])), 400, "invalid")
+    assert put(api, dict(item("dev4", "dev4.bin"), conflicts=[dict(version, deviceID="d" * 128)])).status == 201
+    # A device's name has no control character, DEL included.
+    for name in ("a\x7f", "a\x01", "a\u0085"):
+        error(api.post("/v1/devices", {"name": name}), 400, "invalid")
     stored = put(api, dict(item("dev3", "dev3.bin"), deviceID="device-a", contentDeviceID="device-b")).json()
     assert stored["contentDeviceID"] == "device-b"
     assert api.get(f"{CQ}/items/dev3").json()["contentDeviceID"] == "device-b"
