@@ -2527,6 +2527,30 @@ final class SyncSimulation {
     }
   }
 
+  /// Two devices that both have f ("v0"), and f's item id.
+  static func pairSharingF() throws -> (a: CoreWorld, b: CoreWorld, cloud: CloudEngine, id: String) {
+    let (a, b, cloud) = try CoreWorld.pair()
+    try a.writeFile("f", Data("v0\n".utf8))
+    try a.drainUploads()
+    try b.pull()
+    let id = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+    return (a, b, cloud, id)
+  }
+
+  /// On every device of `devices`, f holds each of `kept` (current or a conflict version), is
+  /// still item `id`, and has no backup f~ beside it; the cloud never deleted `id`.
+  static func expectFKeeps(_ kept: [Data], id: String, on devices: [CoreWorld], cloud: CloudEngine) throws {
+    for w in devices {
+      for data in kept { #expect(try Self.holds(w, "f", data), "\(String(decoding: data, as: UTF8.self)) is kept") }
+      #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
+      #expect(try w.inode("f~") == nil)
+    }
+    let container = devices[0].container
+    let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
+    #expect(!records.contains { $0.itemID == id && $0.deleted }, "f was deleted in the cloud")
+    #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
+  }
+
   /// An editor that keeps a backup while it saves (vim: `mv f f~`, write a new f, `rm f~`)
   /// saves a new version of f: when the backup goes, the new file takes f's cloud identity,
   /// and no delete of f is sent. Saved again and again, f stays in the cloud all along, and
@@ -2534,11 +2558,7 @@ final class SyncSimulation {
   /// a conflict version, as for any two edits.
   @Test func aSaveThatKeepsABackupWhileItWritesIsANewVersionOfTheFile() async throws {
     try await onOwnThread {
-      let (a, b, cloud) = try CoreWorld.pair()
-      try a.writeFile("f", Data("v0\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      let id = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+      let (a, b, cloud, id) = try Self.pairSharingF()
       func save(_ data: Data) throws {
         try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "f~", flags: [])
         try a.writeFile("f", data)
@@ -2550,11 +2570,8 @@ final class SyncSimulation {
       }
       try a.drainUploads()
       try b.pull()
-      for w in [a, b] {
-        #expect(try w.readFile("f") == Data("v3\n".utf8))
-        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
-        #expect(try w.inode("f~") == nil)
-      }
+      try Self.expectFKeeps([Data("v3\n".utf8)], id: id, on: [a, b], cloud: cloud)
+      #expect(try b.readFile("f") == Data("v3\n".utf8))
       // Another device edits f while this one saves it again.
       let theirs = Data("b's edit\n".utf8)
       try b.writeFile("f", theirs)
@@ -2563,15 +2580,7 @@ final class SyncSimulation {
       try a.drainUploads()
       try a.pull()
       try b.pull()
-      for w in [a, b] {
-        #expect(try Self.holds(w, "f", theirs), "the other device's edit is kept")
-        #expect(try Self.holds(w, "f", Data("v4\n".utf8)), "the save is kept")
-        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
-      }
-      let container = a.container
-      let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
-      #expect(!records.contains { $0.itemID == id && $0.deleted }, "f was never deleted in the cloud")
-      #expect(liveFileNames(records) == ["f"], "the cloud holds f only")
+      try Self.expectFKeeps([theirs, Data("v4\n".utf8)], id: id, on: [a, b], cloud: cloud)
     }
   }
 
@@ -2583,11 +2592,7 @@ final class SyncSimulation {
   /// into the backup and deleted with it, on every device).
   @Test func anEditElsewhereDuringASlowSaveThatKeepsABackupIsKept() async throws {
     try await onOwnThread {
-      let (a, b, cloud) = try CoreWorld.pair()
-      try a.writeFile("f", Data("v0\n".utf8))
-      try a.drainUploads()
-      try b.pull()
-      let id = try #require(try a.inode("f").flatMap { try a.index.item($0)?.itemID })
+      let (a, b, cloud, id) = try Self.pairSharingF()
       try a.core.rename(parent: a.documents, name: "f", newParent: a.documents, newName: "f~", flags: [])
       let (_, opened) = try a.core.create(parent: a.documents, name: "f", mode: 0o644, caller: .current)
       let saved = Data("saved on a\n".utf8)
@@ -2607,15 +2612,7 @@ final class SyncSimulation {
       try a.drainUploads()
       try a.pull()
       try b.pull()
-      for w in [a, b] {
-        #expect(try Self.holds(w, "f", theirs), "the other device's edit is kept")
-        #expect(try Self.holds(w, "f", saved), "the save is kept")
-        #expect(try w.inode("f").flatMap { try w.index.item($0)?.itemID } == id, "f keeps its identity")
-        #expect(try w.inode("f~") == nil)
-      }
-      let container = a.container
-      let records = try runBlocking { try await cloud.changes(container, since: 0, limit: 1000) }.items
-      #expect(!records.contains { $0.itemID == id && $0.deleted }, "f was deleted in the cloud")
+      try Self.expectFKeeps([theirs, saved], id: id, on: [a, b], cloud: cloud)
     }
   }
 
