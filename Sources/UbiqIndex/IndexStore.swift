@@ -635,15 +635,15 @@ public final class IndexStore: @unchecked Sendable {
   /// twice `maxCoalescingNs` ago (`ctimeNs`): an editor's save that keeps the old file as a
   /// backup is writing it (`passIdentityToANewFileAtItsCloudPlace`). Nil otherwise.
   public func unsentFileAtTheCloudPlace(of row: ItemRow) throws -> Int64? {
-    guard row.kind == .file, row.etag != nil, let base = row.baseItem, !base.deleted, base.itemID == row.itemID,
-      let baseParentID = base.parentID, self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs
+    guard row.kind == .file, row.etag != nil, self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs,
+      let base = row.baseItem, !base.deleted, base.itemID == row.itemID, base.name != row.name,
+      let baseParentID = base.parentID
     else { return nil }
     return try pool.read { db -> Int64? in
       guard
         let baseParent = try Int64.fetchOne(
           db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-        row.parent == baseParent, base.name != row.name,
-        let holderID = try Self.childID(db, baseParent, base.name),
+        row.parent == baseParent, let holderID = try Self.childID(db, baseParent, base.name),
         let holder = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [holderID]),
         holder.kind == .file, holder.etag == nil, holder.base == nil
       else { return nil }
