@@ -229,13 +229,19 @@ extension IndexStore {
         guard
           let entry = try QueueEntry.fetchOne(db.cached("SELECT * FROM uploadQueue WHERE seq = ?"), arguments: [seq])
         else { continue }
-        var places = entry.unansweredPlaces
-        if places.contains(place) { continue }
-        places.append(place)
-        try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE seq = ?").execute(
-          arguments: [ItemRow.json(Array(places.suffix(Self.maxSentPlaces))), seq])
+        guard let places = Self.sentPlaces(entry.sentPlaces, adding: place) else { continue }
+        try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE seq = ?").execute(arguments: [places, seq])
       }
     }
+  }
+
+  /// An entry's `sentPlaces` with `place` noted too (the latest `maxSentPlaces` kept); nil when
+  /// `place` is noted already.
+  static func sentPlaces(_ sentPlaces: String?, adding place: ItemPlace) -> String? {
+    var places = ItemPlace.list(json: sentPlaces)
+    if places.contains(place) { return nil }
+    places.append(place)
+    return ItemRow.json(Array(places.suffix(maxSentPlaces)))
   }
 
   /// SQL condition on the items row `i`: it is in another folder here than in its base (the

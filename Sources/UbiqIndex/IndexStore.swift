@@ -591,13 +591,9 @@ public final class IndexStore: @unchecked Sendable {
   /// to wait, so a file saved so again and again is uploaded within `maxCoalescingNs`. Returns
   /// false, having changed nothing, for any other removal.
   func passIdentityToANewFileAtItsCloudPlace(_ db: Database, _ row: ItemRow) throws -> Bool {
-    guard row.kind == .file, let id = row.id, let etag = row.etag, let base = row.baseItem, !base.deleted,
-      base.itemID == row.itemID, let baseParentID = base.parentID,
-      let baseParent = try Int64.fetchOne(
-        db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-      row.parent == baseParent, let heirID = try Self.childID(db, baseParent, base.name), heirID != id,
-      let heir = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [heirID]),
-      heir.kind == .file, heir.etag == nil, heir.base == nil, try !Self.isLocalOnly(db, heirID)
+    guard let id = row.id, let etag = row.etag, let base = Self.renamedBase(of: row),
+      let heir = try Self.newFileAtTheCloudPlace(db, of: row, base: base), let heirID = heir.id,
+      try !Self.isLocalOnly(db, heirID)
     else { return false }
     let removal = try Self.removal(db, of: row)
     // A first commit of the new file may have been sent (its reply lost, or the commit still
@@ -608,7 +604,7 @@ public final class IndexStore: @unchecked Sendable {
       try enqueueDelete(db, heirRemoval)
       try db.cached("UPDATE uploadQueue SET commitSent = 0, attempts = 0 WHERE item = ?").execute(arguments: [heirID])
     }
-    let waitingSince = try Self.earliestWaiting(db, of: [id, heirID])
+    let waitingSince = try Self.earliestWaiting(db, of: id, heirID)
     try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [id])
     try db.execute(
       sql:
@@ -622,10 +618,8 @@ public final class IndexStore: @unchecked Sendable {
     // commit of it there may be on its way unnoted (the uploader notes a commit after it
     // checked the row). A version of this device's own at one of them is no other device's
     // change, and the new file's place wins over it.
-    var sent = removal.sentPlaces.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []
-    if let seen = removal.seen, !sent.contains(seen) { sent.append(seen) }
-    try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(
-      arguments: [ItemRow.json(Array(sent.suffix(Self.maxSentPlaces))), heirID])
+    let sent = removal.seen.flatMap { Self.sentPlaces(removal.sentPlaces, adding: $0) } ?? removal.sentPlaces
+    try db.cached("UPDATE uploadQueue SET sentPlaces = ? WHERE item = ?").execute(arguments: [sent, heirID])
     if let waitingSince { try inheritWaiting(db, heirID, since: waitingSince) }
     return true
   }
@@ -635,20 +629,33 @@ public final class IndexStore: @unchecked Sendable {
   /// twice `maxCoalescingNs` ago (`ctimeNs`): an editor's save that keeps the old file as a
   /// backup is writing it (`passIdentityToANewFileAtItsCloudPlace`). Nil otherwise.
   public func unsentFileAtTheCloudPlace(of row: ItemRow) throws -> Int64? {
-    guard row.kind == .file, row.etag != nil, self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs,
-      let base = row.baseItem, !base.deleted, base.itemID == row.itemID, base.name != row.name,
-      let baseParentID = base.parentID
-    else { return nil }
-    return try pool.read { db -> Int64? in
-      guard
-        let baseParent = try Int64.fetchOne(
-          db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
-        row.parent == baseParent, let holderID = try Self.childID(db, baseParent, base.name),
-        let holder = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [holderID]),
-        holder.kind == .file, holder.etag == nil, holder.base == nil
-      else { return nil }
-      return holderID
+    guard self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs, let base = Self.renamedBase(of: row) else {
+      return nil
     }
+    return try pool.read { db in try Self.newFileAtTheCloudPlace(db, of: row, base: base)?.id }
+  }
+
+  /// The cloud version of `row`, a file in the cloud that has another name here (read without
+  /// the database: the cheap half of `newFileAtTheCloudPlace`).
+  static func renamedBase(of row: ItemRow) -> CloudItem? {
+    guard row.kind == .file, row.etag != nil, let base = row.baseItem, !base.deleted, base.itemID == row.itemID,
+      !ItemName.same(base.name, row.name)
+    else { return nil }
+    return base
+  }
+
+  /// The file, new here (not confirmed in the cloud), that holds the place `base` (the cloud
+  /// version of `row`, `renamedBase`) has, when that place is in `row`'s folder: the new file
+  /// of a save that keeps the old one as a backup beside it.
+  static func newFileAtTheCloudPlace(_ db: Database, of row: ItemRow, base: CloudItem) throws -> ItemRow? {
+    guard let baseParentID = base.parentID,
+      let baseParent = try Int64.fetchOne(
+        db.cached("SELECT id FROM items WHERE itemID = ?"), arguments: [baseParentID]),
+      row.parent == baseParent, let holderID = try Self.childID(db, baseParent, base.name),
+      let holder = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [holderID]),
+      holder.kind == .file, holder.etag == nil, holder.base == nil
+    else { return nil }
+    return holder
   }
 
   /// Deletes a row and queues its cloud delete. The delete is queued even when the item has no
@@ -896,7 +903,7 @@ public final class IndexStore: @unchecked Sendable {
           // Read before the replaced row goes (its attributes and its queue entry go with it).
           let dstRemoval = try Self.removal(db, of: dst)
           if dst.kind == .file && src.kind == .file {
-            inheritedWaitingSinceNs = try Self.earliestWaiting(db, of: [dstID, srcID])
+            inheritedWaitingSinceNs = try Self.earliestWaiting(db, of: dstID, srcID)
           }
           try db.cached("DELETE FROM items WHERE id = ?").execute(arguments: [dstID])
           replaced = dst
@@ -996,7 +1003,7 @@ public final class IndexStore: @unchecked Sendable {
       sentPlaces = [try Self.sentPlaces(db, of: dstID), try Self.sentPlaces(db, of: srcID)]
       // And the earlier time the changes of either began to wait: a file saved again and again
       // by exchanging a new file with it is uploaded within `maxCoalescingNs`.
-      waitingSince = try Self.earliestWaiting(db, of: [srcID, dstID])
+      waitingSince = try Self.earliestWaiting(db, of: srcID, dstID)
       try db.cached("DELETE FROM uploadQueue WHERE item IN (?, ?)").execute(arguments: [srcID, dstID])
     }
     try Self.touchDirectory(db, src.parent!, now)
@@ -1016,11 +1023,12 @@ public final class IndexStore: @unchecked Sendable {
       replaced: nil)
   }
 
-  /// The earliest time the upload entries of rows `ids` began to wait (nil: none is queued).
-  static func earliestWaiting(_ db: Database, of ids: [Int64]) throws -> Int64? {
+  /// The earliest time the upload entries of rows `a` and `b` began to wait (nil: neither is
+  /// queued).
+  static func earliestWaiting(_ db: Database, of a: Int64, _ b: Int64) throws -> Int64? {
     try Int64.fetchOne(
       db.cached("SELECT min(coalesce(waitingSinceNs, enqueuedNs)) FROM uploadQueue WHERE item IN (?, ?)"),
-      arguments: [ids[0], ids[1]])
+      arguments: [a, b])
   }
 
   /// Makes the upload entry of `id` wait at most `maxCoalescingNs` from `since` (or from its

@@ -144,7 +144,7 @@ public struct QueueEntry: Codable, FetchableRecord, Sendable, Equatable {
   /// mode may be one of them, stored with its reply lost, so a local place or mode that
   /// differs from it is newer than that version. Empty once a commit of the item is stored.
   public var unansweredPlaces: [ItemPlace] {
-    sentPlaces.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []
+    ItemPlace.list(json: sentPlaces)
   }
   public var enqueuedNs: Int64
   public var attempts: Int
@@ -200,6 +200,11 @@ public struct ItemPlace: Codable, Sendable, Equatable {
   init?(json: String) {
     guard let place = try? JSONDecoder().decode(Self.self, from: Data(json.utf8)) else { return nil }
     self = place
+  }
+
+  /// The places of a JSON array (`QueueEntry.sentPlaces`); none for nil or unreadable JSON.
+  static func list(json: String?) -> [ItemPlace] {
+    json.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []
   }
 
   /// Whether `version` is where (and as) the user saw the item. A temporary name the item took

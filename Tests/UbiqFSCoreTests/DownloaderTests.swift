@@ -208,20 +208,30 @@ import UbiqIndex
     }
   }
 
+  /// Device b has evicted f (4 MiB of noise from `seed`, `old`) and a reader of it has read
+  /// the first MiB (`read`) when device a uploads a smaller version (`small`), which b has not
+  /// pulled yet.
+  static func smallerVersionWhileBReads(seed: UInt64) throws -> (
+    a: CoreWorld, b: CoreWorld, inode: Int64, reader: UInt64, read: Data, old: Data, small: Data
+  ) {
+    let old = Self.noise(4 << 20, seed: seed)
+    let (a, b, _) = try Self.evictedOnB(["f": old])
+    let inode = try b.inode("f")!
+    let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
+    let read = try b.core.read(reader, offset: 0, size: 1 << 20)
+    let small = Data("saved smaller elsewhere\n".utf8)
+    try a.writeFile("f", small)
+    try a.drainUploads()
+    return (a, b, inode, reader, read, old, small)
+  }
+
   /// A smaller version made elsewhere while a process here reads the file waits for the last
   /// reader to close: the kernel holds one size per inode, and a smaller one would end the
   /// reader's reads early with no error (a torn copy). The reader reads the whole version it
   /// opened; after its close the next pull applies the new one.
   @Test func aSmallerRemoteVersionWaitsForTheReadersOfTheFile() async throws {
     try await onOwnThread {
-      let old = Self.noise(4 << 20, seed: 7)
-      let (a, b, _) = try Self.evictedOnB(["f": old])
-      let inode = try b.inode("f")!
-      let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
-      let read = try b.core.read(reader, offset: 0, size: 1 << 20)
-      let small = Data("saved smaller elsewhere\n".utf8)
-      try a.writeFile("f", small)
-      try a.drainUploads()
+      let (_, b, inode, reader, read, old, small) = try Self.smallerVersionWhileBReads(seed: 7)
       try b.pull()
       #expect(try b.core.getattr(inode).size == Int64(old.count), "the size the reader reads stays")
       #expect(try Self.readOn(b, reader, after: read, size: old.count) == old)
@@ -238,14 +248,7 @@ import UbiqIndex
   @Test(arguments: [true, false])
   func aLocalChangeWaitsWithASmallerRemoteVersionForTheReaders(pulledFirst: Bool) async throws {
     try await onOwnThread {
-      let old = Self.noise(4 << 20, seed: 8)
-      let (a, b, _) = try Self.evictedOnB(["f": old])
-      let inode = try b.inode("f")!
-      let reader = try b.core.open(inode, flags: O_RDONLY, caller: .current).handle
-      let read = try b.core.read(reader, offset: 0, size: 1 << 20)
-      let small = Data("saved smaller elsewhere\n".utf8)
-      try a.writeFile("f", small)
-      try a.drainUploads()
+      let (a, b, inode, reader, read, old, small) = try Self.smallerVersionWhileBReads(seed: 8)
       if pulledFirst { try b.pull() }
       _ = try b.core.setattr(inode, AttributeUpdate(mode: 0o600))
       try b.drainUploadsOnce()
