@@ -107,6 +107,26 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     try migrator.migrateAmongProcesses(pool)
   }
 
+  /// `pool.write`, where a writer held by another process for longer than the busy timeout
+  /// (another `ubiqfs serve` on the same data folder committing a big batch) is
+  /// `CloudError.unavailable`: a passing condition the client retries, not a failure.
+  func writeOrUnavailable<T: Sendable>(_ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+    do {
+      return try await pool.write(body)
+    } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {
+      throw CloudError.unavailable("the cloud's database is busy; retry in a moment")
+    }
+  }
+
+  /// `pool.read`, with a busy database as `writeOrUnavailable` has it.
+  func readOrUnavailable<T: Sendable>(_ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+    do {
+      return try await pool.read(body)
+    } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {
+      throw CloudError.unavailable("the cloud's database is busy; retry in a moment")
+    }
+  }
+
   /// Synchronous `ensureAccount`, for setting up the embedded engine outside async code.
   public func ensureAccountSync(_ account: String) throws {
     try pool.write { db in
@@ -117,7 +137,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   // MARK: MetadataStore
 
   public func ensureAccount(_ account: String) async throws {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       try db.execute(sql: "INSERT OR IGNORE INTO accounts(name) VALUES (?)", arguments: [account])
     }
   }
@@ -125,7 +145,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func ensureContainer(account: String, container: String, seed: [CloudItem], maxContainers: Int)
     async throws
   {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       if try Self.containerExists(db, account, container) { return }
       let count =
         try Int.fetchOne(db, sql: "SELECT count(*) FROM containers WHERE account = ?", arguments: [account]) ?? 0
@@ -140,7 +160,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func containers(account: String) async throws -> [String] {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try String.fetchAll(
         db, sql: "SELECT container FROM containers WHERE account = ? ORDER BY container", arguments: [account])
     }
@@ -153,7 +173,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func item(account: String, container: String, itemID: String) async throws -> CloudItem? {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Data.fetchOne(
         db, sql: "SELECT record FROM items WHERE account = ? AND container = ? AND itemID = ?",
         arguments: [account, container, itemID]
@@ -162,7 +182,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func items(account: String, container: String, itemIDs: [String]) async throws -> [String: CloudItem] {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       var found: [String: CloudItem] = [:]
       try Self.inSlices(itemIDs) { _, padded, marks in
         for data in try Data.fetchAll(
@@ -180,7 +200,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func commit(
     account: String, container: String, item: CloudItem, ifMatch: String?, chunks: Set<String>, rule: TreeRule?
   ) async throws -> CloudItem {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       guard var counters = try CommitCounters.read(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
@@ -195,7 +215,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       guard var counters = try CommitCounters.read(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }
@@ -422,7 +442,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   public func storedChanges(account: String, container: String, since: Int64, limit: Int, maxBytes: Int)
     async throws -> StoredChangePage
   {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       let rows = try Row.fetchAll(
         db.cached(
           """
@@ -435,7 +455,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func lastChange(account: String, container: String) async throws -> Int64 {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Int64.fetchOne(
         db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
         arguments: [account, container]) ?? 0
@@ -444,7 +464,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func knownChunks(account: String, hashes: [String]) async throws -> Set<String> {
     if hashes.isEmpty { return [] }
-    return try await pool.read { db in
+    return try await readOrUnavailable { db in
       var found = Set<String>()
       try Self.inSlices(hashes) { _, padded, marks in
         let got = try String.fetchAll(
@@ -458,7 +478,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func chunkSizes(account: String, hashes: [String]) async throws -> [String: Int64] {
     if hashes.isEmpty { return [:] }
-    return try await pool.read { db in
+    return try await readOrUnavailable { db in
       var found: [String: Int64] = [:]
       try Self.inSlices(hashes) { _, padded, marks in
         for row in try Row.fetchAll(
@@ -473,14 +493,14 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func chunkSize(account: String, hash: String) async throws -> Int64? {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Int64.fetchOne(
         db.cached("SELECT size FROM chunks WHERE account = ? AND hash = ? AND doomed = 0"), arguments: [account, hash])
     }
   }
 
   public func recordChunk(account: String, hash: String, size: Int64, now: Int64) async throws {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       let usage = try Self.usageRow(db, account)
       if let doomed = try Bool.fetchOne(
         db.cached("SELECT doomed FROM chunks WHERE account = ? AND hash = ?"), arguments: [account, hash])
@@ -499,7 +519,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func touchChunks(account: String, hashes: [String], now: Int64) async throws {
     if hashes.isEmpty { return }
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       try Self.inSlices(hashes) { _, padded, marks in
         try db.cached(
           "UPDATE chunks SET lastUsed = ? WHERE account = ? AND doomed = 0 AND lastUsed < ? AND hash IN (\(marks))"
@@ -512,14 +532,14 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func isChunkDoomed(account: String, hash: String) async throws -> Bool {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Bool.fetchOne(
         db.cached("SELECT doomed FROM chunks WHERE account = ? AND hash = ?"), arguments: [account, hash]) == true
     }
   }
 
   public func doomUnreferencedChunks(account: String, unusedBefore: Int64) async throws -> [String] {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       // One write transaction: no commit can slip in between reading the references and
       // dooming. Records are read only when some chunk is old enough to go.
       let stale = try String.fetchAll(
@@ -543,7 +563,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func forgetDoomedChunks(account: String, hashes: [String]) async throws -> Int64 {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       var freed: Int64 = 0
       for hash in hashes {
         guard
@@ -573,11 +593,11 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func usage(account: String) async throws -> Usage {
-    try await pool.read { db in try Self.usageRow(db, account) }
+    try await readOrUnavailable { db in try Self.usageRow(db, account) }
   }
 
   public func setQuota(account: String, bytes: Int64) async throws {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       _ = try Self.usageRow(db, account)
       try db.execute(sql: "UPDATE accounts SET quotaBytes = ? WHERE name = ?", arguments: [bytes, account])
     }
@@ -586,7 +606,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   // MARK: AccountStore
 
   public func createAccount(_ account: String, quotaBytes: Int64) async throws {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       if try Bool.fetchOne(db, sql: "SELECT 1 FROM accounts WHERE name = ?", arguments: [account]) == true {
         throw CloudError.exists("account \(account)")
       }
@@ -596,17 +616,17 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func accountExists(_ account: String) async throws -> Bool {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Bool.fetchOne(db, sql: "SELECT 1 FROM accounts WHERE name = ?", arguments: [account]) == true
     }
   }
 
   public func accounts() async throws -> [String] {
-    try await pool.read { db in try String.fetchAll(db, sql: "SELECT name FROM accounts ORDER BY name") }
+    try await readOrUnavailable { db in try String.fetchAll(db, sql: "SELECT name FROM accounts ORDER BY name") }
   }
 
   public func addToken(_ record: TokenRecord, tokenHash: String) async throws {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       _ = try Self.usageRow(db, record.account)
       try db.execute(
         sql: """
@@ -627,14 +647,14 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func token(hash tokenHash: String) async throws -> TokenRecord? {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Row.fetchOne(db.cached("SELECT * FROM tokens WHERE hash = ? AND revoked = 0"), arguments: [tokenHash])
         .map(Self.tokenRecord)
     }
   }
 
   public func tokens(account: String) async throws -> [TokenRecord] {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       try Row.fetchAll(
         db, sql: "SELECT * FROM tokens WHERE account = ? ORDER BY createdAt, id", arguments: [account]
       ).map(Self.tokenRecord)
@@ -642,7 +662,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func revokeToken(account: String, id: String) async throws -> Bool {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       try db.execute(
         sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND id = ? AND revoked = 0", arguments: [account, id])
       return db.changesCount > 0
@@ -650,7 +670,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func rotateToken(account: String, id: String, oldHash: String, newHash: String) async throws -> Bool {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       try db.execute(
         sql: "UPDATE tokens SET hash = ? WHERE account = ? AND id = ? AND hash = ? AND revoked = 0",
         arguments: [newHash, account, id, oldHash])
@@ -659,7 +679,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func revokeTokens(account: String, device: String?) async throws -> Int {
-    try await pool.write { db in
+    try await writeOrUnavailable { db in
       if let device {
         try db.execute(
           sql: "UPDATE tokens SET revoked = 1 WHERE account = ? AND device = ? AND revoked = 0",
@@ -680,7 +700,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   public func kvEntries(account: String, container: String, since: Int64) async throws -> KVSnapshot {
-    try await pool.read { db in
+    try await readOrUnavailable { db in
       guard
         let head = try Row.fetchOne(
           db, sql: "SELECT kvSeq FROM containers WHERE account = ? AND container = ?",
@@ -707,7 +727,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   {
     let cost = try KVLimits.cost(key: write.key, value: write.value)
     let text = try write.value.map { String(decoding: try $0.jsonData(), as: UTF8.self) }
-    return try await pool.write { db in
+    return try await writeOrUnavailable { db in
       guard try Self.containerExists(db, account, container) else {
         throw CloudError.notFound("container \(container)")
       }

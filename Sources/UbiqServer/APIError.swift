@@ -58,6 +58,8 @@ public struct APIError: Error, Sendable {
   func response() -> Response {
     var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
     if status == .unauthorized { headers[.wwwAuthenticate] = "Bearer realm=\"ubiqfs\"" }
+    // A passing condition (a busy database, a chunk being collected): ask again in a second.
+    if status == .serviceUnavailable { headers[.retryAfter] = "1" }
     return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: body())))
   }
 

@@ -17,7 +17,7 @@ import urllib.parse
 
 import pytest
 from test_api import C, CQ, error, item, put_file, sha
-from ubiqstack import Api, PostgresCluster, ServerProcess, create_account, run_cli
+from ubiqstack import Api, EmbeddedStorage, PostgresCluster, ServerProcess, create_account, run_cli
 
 INT64_MAX = 2**63 - 1
 
@@ -291,6 +291,31 @@ def test_connections_that_send_nothing_are_closed_after_the_idle_timeout(storage
             s.close()
         assert time.time() - start < 10, "idle connections are closed"
         assert api.get("/healthz").status == 200
+    finally:
+        srv.stop()
+
+
+def test_a_database_busy_longer_than_the_server_waits_answers_503(tmp_path):
+    """The embedded cloud's SQLite writer held by another process for longer than the server
+    waits for it (a second `ubiqfs serve` on the same data folder committing a big batch) is a
+    passing condition, not a failure of the server: 503 `unavailable` with a Retry-After (the
+    client retries it as any unavailable cloud), never a 500; the same request succeeds once the writer is free."""
+    data = tmp_path / "data"
+    storage = EmbeddedStorage(data)
+    srv = ServerProcess(storage, tmp_path / "serve.log").start()
+    try:
+        api = Api(srv.url, create_account(storage, "busy-acct"))
+        api.ensure_container(C)
+        holder = sqlite3.connect(data / "cloud.sqlite", isolation_level=None, timeout=30)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            busy = api.request("PUT", f"{CQ}/items/d-busy", folder("d-busy", "busy"), timeout=60)
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        error(busy, 503, "unavailable")
+        assert busy.headers.get("retry-after", "").isdigit(), busy.headers
+        assert put(api, folder("d-busy", "busy")).status == 201
     finally:
         srv.stop()
 
