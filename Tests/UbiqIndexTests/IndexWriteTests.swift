@@ -119,6 +119,37 @@ import Testing
     #expect(try index.item(row.id!) == row)
   }
 
+  /// A setattr changes the attributes it sets and the change time, nothing else (the row read
+  /// back is the row it returns); a mode set to what it is (`tar x` sets every file's) is no
+  /// new revision and queues no upload, another mode does.
+  @Test func aModeSetToWhatItIsIsNoChangeToUpload() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    let file = try #require(try index.create(parent: docs, name: "f", kind: .file, mode: 0o644, uid: 0, gid: 0).id)
+    let entry = try #require(try index.queueEntry(forInode: file))
+    let row = try #require(try index.item(file))
+    var stored = CloudItem(
+      itemID: row.itemID, parentID: try #require(try index.item(docs)).itemID, name: "f", kind: .file,
+      mode: 0o644, size: 0, mtimeNs: 0, etag: "1", deviceID: "device-a")
+    stored.changeSeq = 1
+    try index.markUploaded(seq: entry.seq, inode: file, itemID: row.itemID, revision: row.revision, result: stored)
+    #expect(try index.queueEntry(forInode: file) == nil)
+    let uploaded = try #require(try index.item(file))
+
+    let same = try index.setAttributes(file, AttributeChanges(mode: 0o100644, uid: 7, gid: 8))
+    #expect(try index.item(file) == same)
+    #expect(same.revision == uploaded.revision && same.mode == 0o644 && same.uid == 7 && same.gid == 8)
+    #expect(same.ctimeNs >= uploaded.ctimeNs && same.mtimeNs == uploaded.mtimeNs)
+    #expect(try index.queueEntry(forInode: file) == nil, "nothing to upload")
+
+    let other = try index.setAttributes(file, AttributeChanges(mode: 0o600, mtimeNs: 42))
+    #expect(try index.item(file) == other)
+    #expect(other.revision == uploaded.revision + 1 && other.mode == 0o600 && other.mtimeNs == 42)
+    #expect(other.name == "f" && other.parent == docs && other.etag == "1")
+    #expect(try index.queueEntry(forInode: file) != nil)
+  }
+
   @Test func theWriterCheckpointsAfterItsOwnFrameCountNotSQLitesDefault() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
