@@ -375,16 +375,22 @@ public final class IndexStore: @unchecked Sendable {
   /// True if the item or one of its ancestors is excluded from sync (`.nosync` or
   /// `user.ubiq.excluded`).
   static func isLocalOnly(_ db: Database, _ inode: Int64) throws -> Bool {
-    var cur: Int64? = inode
-    var depth = 0
-    while let c = cur, c != rootInode, depth < 4096 {
-      guard
-        let row = try Row.fetchOne(db.cached("SELECT parent, name, excluded FROM items WHERE id = ?"), arguments: [c])
-      else { return false }
-      // By position: SELECT parent, name, excluded.
-      if ItemName.isNoSync(row[1]) || (row[2] as Bool) { return true }
-      cur = row[0]
-      depth += 1
+    // The item and its ancestors below the root, nearest first, in one statement (every
+    // create and recorded write asks): SQLite yields each row as the recursion reaches it,
+    // and the walk stops at the first excluded one.
+    let chain = try Row.fetchCursor(
+      db.cached(
+        """
+        WITH RECURSIVE up(id, parent, name, excluded, depth) AS (
+          SELECT id, parent, name, excluded, 0 FROM items WHERE id = ? AND id <> \(rootInode)
+          UNION ALL
+          SELECT i.id, i.parent, i.name, i.excluded, up.depth + 1 FROM items i JOIN up ON i.id = up.parent
+          WHERE i.id <> \(rootInode) AND up.depth < 4095)
+        SELECT name, excluded FROM up
+        """), arguments: [inode])
+    while let row = try chain.next() {
+      // By position: SELECT name, excluded.
+      if ItemName.isNoSync(row[0]) || (row[1] as Bool) { return true }
     }
     return false
   }
@@ -763,7 +769,7 @@ public final class IndexStore: @unchecked Sendable {
       """
     ).execute(arguments: [
       delete.itemID, delete.etag, now, now + uploadDelayNs, delete.maybeInCloud, delete.keepsVersions,
-      delete.seen.flatMap(ItemRow.json), delete.sentPlaces,
+      delete.seen?.json, delete.sentPlaces,
     ])
   }
 

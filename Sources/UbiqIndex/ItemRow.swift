@@ -202,6 +202,23 @@ public struct ItemPlace: Codable, Sendable, Equatable {
     self = place
   }
 
+  /// This place as the JSON `init?(json:)` reads, written without `JSONEncoder` (every
+  /// removal of a file writes one).
+  var json: String {
+    var out: [UInt8] = []
+    out.reserveCapacity(112 + name.utf8.count)
+    out.append(contentsOf: "{\"mode\":\(mode),\"name\":".utf8)
+    RecordJSON.writeString(name, into: &out)
+    out.append(contentsOf: ",\"parentID\":".utf8)
+    RecordJSON.writeString(parentID, into: &out)
+    if let xattrs {
+      out.append(contentsOf: ",\"xattrs\":".utf8)
+      RecordJSON.writeString(xattrs, into: &out)
+    }
+    out.append(UInt8(ascii: "}"))
+    return String(decoding: out, as: UTF8.self)
+  }
+
   /// The places of a JSON array (`QueueEntry.sentPlaces`); none for nil or unreadable JSON.
   static func list(json: String?) -> [ItemPlace] {
     json.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []

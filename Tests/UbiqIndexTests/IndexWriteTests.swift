@@ -150,6 +150,28 @@ import Testing
     #expect(try index.queueEntry(forInode: file) != nil)
   }
 
+  /// An item is local-only when it or any folder above it (the root aside) has a `.nosync`
+  /// name or is excluded, however deep; a new item there queues no upload.
+  @Test func anItemBelowANoSyncOrExcludedFolderIsLocalOnlyAtAnyDepth() throws {
+    let (index, dir) = try Self.openIndex()
+    defer { try? FileManager.default.removeItem(at: dir) }
+    let docs = try Self.documents(index)
+    func folder(_ name: String, in parent: Int64) throws -> Int64 {
+      try #require(try index.create(parent: parent, name: name, kind: .directory, mode: 0o755, uid: 0, gid: 0).id)
+    }
+    var deep = try folder("a", in: docs)
+    let top = deep
+    for k in 0..<300 { deep = try folder("d\(k)", in: deep) }
+    #expect(try !index.isLocalOnly(deep) && !index.isLocalOnly(docs) && !index.isLocalOnly(IndexStore.rootInode))
+    let below = try folder("x.nosync", in: deep)
+    let inside = try folder("y", in: below)
+    #expect(try index.isLocalOnly(below) && index.isLocalOnly(inside) && !index.isLocalOnly(deep))
+    #expect(try index.queueEntry(forInode: inside) == nil, "nothing below a .nosync folder is queued")
+    #expect(try !index.isLocalOnly(try folder("x.nosync.not", in: deep)))
+    try index.setExcluded(top, true)
+    #expect(try index.isLocalOnly(deep) && index.isLocalOnly(top) && !index.isLocalOnly(docs))
+  }
+
   @Test func theWriterCheckpointsAfterItsOwnFrameCountNotSQLitesDefault() throws {
     let (index, dir) = try Self.openIndex()
     defer { try? FileManager.default.removeItem(at: dir) }
@@ -483,6 +505,18 @@ import Testing
     _ = try index.remove(parent: archive, name: "g", directory: false)
     #expect(try row("g")?.itemID != g.itemID, "a file removed in another folder handed its identity over")
     #expect(try deletes() == [g.itemID])
+  }
+
+  /// A place written as JSON (as a queued delete keeps it) reads back as itself, whatever its
+  /// name holds.
+  @Test func aPlaceWrittenAsJSONReadsBackAsItself() throws {
+    for name in ["f", "a \"quoted\" \\ name", "tab\tnew\nline\u{1}", "é ü 日本", "x\u{7f}"] {
+      for xattrs: [String: Data]? in [nil, [:], ["user.k": Data([0, 255])]] {
+        let place = ItemPlace(parentID: "p\"1", name: name, mode: 0o4755, xattrs: xattrs)
+        #expect(ItemPlace(json: place.json) == place, "\(place.json)")
+        #expect(ItemPlace.list(json: "[\(place.json),\(place.json)]") == [place, place])
+      }
+    }
   }
 
   /// Every delete a user's removal queues remembers the item as they saw it, its extended
