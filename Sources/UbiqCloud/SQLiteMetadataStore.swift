@@ -110,7 +110,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   /// `pool.write`, where a writer held by another process for longer than the busy timeout
   /// (another `ubiqfs serve` on the same data folder committing a big batch) is
   /// `CloudError.unavailable`: a passing condition the client retries, not a failure.
-  func writeOrUnavailable<T: Sendable>(_ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+  func writeOrUnavailable<T: Sendable>(_ body: @Sendable (Database) throws -> T) async throws -> T {
     do {
       return try await pool.write(body)
     } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {
@@ -119,7 +119,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   }
 
   /// `pool.read`, with a busy database as `writeOrUnavailable` has it.
-  func readOrUnavailable<T: Sendable>(_ body: @escaping @Sendable (Database) throws -> T) async throws -> T {
+  func readOrUnavailable<T: Sendable>(_ body: @Sendable (Database) throws -> T) async throws -> T {
     do {
       return try await pool.read(body)
     } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {

@@ -253,7 +253,8 @@ public struct AttributeChanges: Sendable {
     self.atimeNs = atimeNs
     self.mtimeNs = mtimeNs
   }
-  /// True if the change must be uploaded (permissions, size, mtime); atime and ownership stay local.
+  /// True if the change may need uploading (permissions, size, mtime); atime and ownership stay
+  /// local. A mode set to what it is uploads nothing (`IndexStore.setAttributes`).
   public var syncs: Bool { mode != nil || size != nil || mtimeNs != nil }
 }
 
