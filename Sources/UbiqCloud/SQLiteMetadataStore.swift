@@ -111,17 +111,18 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
   /// (another `ubiqfs serve` on the same data folder committing a big batch) is
   /// `CloudError.unavailable`: a passing condition the client retries, not a failure.
   func writeOrUnavailable<T: Sendable>(_ body: @Sendable (Database) throws -> T) async throws -> T {
-    do {
-      return try await pool.write(body)
-    } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {
-      throw CloudError.unavailable("the cloud's database is busy; retry in a moment")
-    }
+    try await Self.unavailableWhenBusy { try await pool.write(body) }
   }
 
   /// `pool.read`, with a busy database as `writeOrUnavailable` has it.
   func readOrUnavailable<T: Sendable>(_ body: @Sendable (Database) throws -> T) async throws -> T {
+    try await Self.unavailableWhenBusy { try await pool.read(body) }
+  }
+
+  /// `access`, with SQLITE_BUSY thrown as `CloudError.unavailable`.
+  private static func unavailableWhenBusy<T>(_ access: () async throws -> T) async throws -> T {
     do {
-      return try await pool.read(body)
+      return try await access()
     } catch let error as DatabaseError where error.resultCode == .SQLITE_BUSY {
       throw CloudError.unavailable("the cloud's database is busy; retry in a moment")
     }

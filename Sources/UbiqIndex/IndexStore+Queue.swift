@@ -241,7 +241,7 @@ extension IndexStore {
     var places = ItemPlace.list(json: sentPlaces)
     if places.contains(place) { return nil }
     places.append(place)
-    return ItemRow.json(Array(places.suffix(maxSentPlaces)))
+    return ItemPlace.json(Array(places.suffix(maxSentPlaces)))
   }
 
   /// SQL condition on the items row `i`: it is in another folder here than in its base (the

@@ -219,6 +219,11 @@ public struct ItemPlace: Codable, Sendable, Equatable {
     return String(decoding: out, as: UTF8.self)
   }
 
+  /// `places` as the JSON array `list(json:)` reads.
+  static func json(_ places: [ItemPlace]) -> String {
+    "[" + places.map(\.json).joined(separator: ",") + "]"
+  }
+
   /// The places of a JSON array (`QueueEntry.sentPlaces`); none for nil or unreadable JSON.
   static func list(json: String?) -> [ItemPlace] {
     json.flatMap { try? JSONDecoder().decode([ItemPlace].self, from: Data($0.utf8)) } ?? []

@@ -514,7 +514,8 @@ import Testing
       for xattrs: [String: Data]? in [nil, [:], ["user.k": Data([0, 255])]] {
         let place = ItemPlace(parentID: "p\"1", name: name, mode: 0o4755, xattrs: xattrs)
         #expect(ItemPlace(json: place.json) == place, "\(place.json)")
-        #expect(ItemPlace.list(json: "[\(place.json),\(place.json)]") == [place, place])
+        #expect(ItemPlace.list(json: ItemPlace.json([place, place])) == [place, place])
+        #expect(ItemPlace.list(json: ItemPlace.json([])) == [])
       }
     }
   }
