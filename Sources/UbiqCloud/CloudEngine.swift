@@ -207,14 +207,15 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
 
   /// The tree invariants of a live item, checked by the metadata engine inside the commit:
   /// its parent exists, is a directory and is not deleted; the item is not its own ancestor;
-  /// no other live item of the parent has its name.
+  /// neither it nor, for a folder that moves, anything it holds is deeper than
+  /// `TreeSnapshot.maxDepth`; no other live item of the parent has its name.
   static func treeRule(for item: CloudItem, maxLiveItems: Int64 = .max) -> TreeRule {
     { tree in
       if tree.addsLiveItem && tree.liveItems >= maxLiveItems {
         throw CloudError.limitExceeded("the container has \(tree.liveItems) items, the most it may hold")
       }
       guard let parentID = item.parentID else { return }
-      if parentID == item.itemID || tree.ancestors.contains(where: { $0.itemID == item.itemID }) {
+      if parentID == item.itemID || tree.ancestors.last?.itemID == item.itemID {
         throw CloudError.cycle("moving \(item.itemID) under \(parentID) would make it its own ancestor")
       }
       guard let parent = tree.ancestors.first, parent.itemID == parentID else {
@@ -224,10 +225,14 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
       if parent.kind != .directory {
         throw CloudError.badParent("parent \(parentID) of \(item.itemID) is not a directory")
       }
-      if let last = tree.ancestors.last, let above = last.parentID,
-        tree.ancestors.count >= TreeSnapshot.maxDepth || tree.ancestors.contains(where: { $0.itemID == above })
+      if let last = tree.ancestors.last, last.parentID != nil,
+        tree.ancestors.count >= TreeSnapshot.maxDepth || tree.ancestorsLoop
       {
         throw CloudError.cycle("the ancestors of \(parentID) loop or are deeper than \(TreeSnapshot.maxDepth)")
+      }
+      if tree.ancestors.count + tree.heightBelow > TreeSnapshot.maxDepth {
+        throw CloudError.cycle(
+          "moving \(item.itemID) under \(parentID) would put its items deeper than \(TreeSnapshot.maxDepth) levels")
       }
       if let other = tree.namesake {
         throw CloudError.nameTaken("'\(item.name)' in \(parentID) is item \(other.itemID)")

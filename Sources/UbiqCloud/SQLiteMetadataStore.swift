@@ -206,10 +206,10 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         throw CloudError.notFound("container \(container)")
       }
       let before = counters
-      var records: [String: CloudItem] = [:]
+      var reads = TransactionReads()
       let stored = try Self.commitOne(
         db, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule),
-        records: &records, counters: &counters)
+        reads: &reads, counters: &counters)
       try counters.save(db, account, container, over: before)
       return stored
     }
@@ -223,20 +223,22 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       let before = counters
       var committed: [CloudItem] = []
       var refused: CloudError?
-      // The batch's items mostly share their ancestors: each is read and decoded once.
-      var records: [String: CloudItem] = [:]
+      // The batch's items mostly share their ancestors: each is read and decoded once, and
+      // each folder's ancestry is walked once.
+      var reads = TransactionReads()
       for write in writes {
         do {
           // A write refused part way (the quota is checked after the record is stored) leaves
           // nothing: its savepoint is rolled back, and the counters take only what is stored.
           var stored: CloudItem?
           try db.inSavepoint {
-            stored = try Self.commitOne(db, account, container, write, records: &records, counters: &counters)
+            stored = try Self.commitOne(db, account, container, write, reads: &reads, counters: &counters)
             return .commit
           }
           if let stored {
             committed.append(stored)
-            records[stored.itemID] = stored
+            reads.records[stored.itemID] = stored
+            reads.ancestries.written(stored.itemID)
           }
         } catch let error as CloudError {
           refused = error
@@ -291,12 +293,20 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     }
   }
 
-  /// One write of a commit, inside its transaction, in a container known to exist. `records`:
-  /// records of this transaction already read, by item id, and it adds those it reads.
-  /// `counters` take the write only when it is stored.
+  /// What a commit transaction has read of the container's tree, kept while its writes are
+  /// made: records by item id, and ancestries (`AncestryCache`). The caller notes each
+  /// stored write in both.
+  struct TransactionReads {
+    var records: [String: CloudItem] = [:]
+    var ancestries = AncestryCache()
+  }
+
+  /// One write of a commit, inside its transaction, in a container known to exist. `reads`:
+  /// what this transaction already read, and it adds what it reads. `counters` take the
+  /// write only when it is stored.
   static func commitOne(
     _ db: Database, _ account: String, _ container: String, _ write: ItemWrite,
-    records: inout [String: CloudItem], counters: inout CommitCounters
+    reads: inout TransactionReads, counters: inout CommitCounters
   ) throws -> CloudItem {
     let item = write.item
     let current = try Self.storedRecord(db, account, container, item.itemID)
@@ -304,7 +314,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
     var next = counters
     if let rule = write.rule {
-      var tree = try Self.treeSnapshot(db, account, container, item, records: &records)
+      var tree = try Self.treeSnapshot(db, account, container, item, current: current?.item, reads: &reads)
       tree.addsLiveItem = delta > 0
       tree.liveItems = next.liveItems
       try rule(tree)
@@ -369,10 +379,11 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     ).map { StoredRecord(item: try RecordJSON.decodeStored($0), bytes: Int64($0.count)) }
   }
 
-  /// The written item's `TreeSnapshot`, inside the commit's transaction.
+  /// The written item's `TreeSnapshot`, inside the commit's transaction. `current`: the
+  /// stored version it replaces.
   static func treeSnapshot(
-    _ db: Database, _ account: String, _ container: String, _ item: CloudItem,
-    records: inout [String: CloudItem]
+    _ db: Database, _ account: String, _ container: String, _ item: CloudItem, current: CloudItem?,
+    reads: inout TransactionReads
   ) throws -> TreeSnapshot {
     if item.deleted {
       let child = try Data.fetchOne(
@@ -382,16 +393,33 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       ).map { try RecordJSON.decodeStored($0) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
     }
-    var ancestors: [CloudItem] = []
-    var seen = Set<String>()
-    var next = item.parentID
-    while let id = next, ancestors.count < TreeSnapshot.maxDepth, seen.insert(id).inserted,
-      let parent = try records[id] ?? record(db, account, container, id)
-    {
-      records[id] = parent
-      ancestors.append(parent)
-      if id == item.itemID { break }
-      next = parent.parentID
+    func read(_ id: String) throws -> CloudItem? {
+      if let known = reads.records[id] { return known }
+      let found = try record(db, account, container, id)
+      reads.records[id] = found
+      return found
+    }
+    var ancestry = AncestryCache.Ancestry(chain: [], loops: false)
+    if let parentID = item.parentID {
+      if let known = reads.ancestries.ancestry(of: item.itemID, under: parentID) {
+        ancestry = known
+      } else if let parent = try read(parentID), let extended = reads.ancestries.extending(parent) {
+        ancestry = reads.ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
+      } else {
+        // Up to the root, a missing record, an id met before (a loop), or the depth limit.
+        var chain: [CloudItem] = []
+        var seen = Set<String>()
+        var next: String? = parentID
+        while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = try read(id) {
+          chain.append(parent)
+          next = parent.parentID
+        }
+        // Stopped at an id met before (not at one that is missing): a loop.
+        let loops =
+          next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
+        ancestry = reads.ancestries.remember(
+          AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
+      }
     }
     let namesake = try Data.fetchOne(
       db.cached(
@@ -400,7 +428,32 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
         AND deleted = 0 AND itemID <> ? LIMIT 1
         """), arguments: [account, container, item.parentID, item.name, item.itemID]
     ).map { try RecordJSON.decodeStored($0) }
-    return TreeSnapshot(ancestors: ancestors, namesake: namesake)
+    var tree = TreeSnapshot(ancestors: ancestry.chain, namesake: namesake)
+    tree.ancestorsLoop = ancestry.loops
+    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID {
+      tree.heightBelow = try heightBelow(
+        db, account, container, item.itemID, atMost: TreeSnapshot.maxDepth - ancestry.chain.count + 1)
+    }
+    return tree
+  }
+
+  /// How many levels of live items `itemID` holds once it moves, counted no further than
+  /// `atMost` levels. It is not below itself any more: a loop of parents through it (a repair
+  /// moves one of its members) ends there.
+  static func heightBelow(_ db: Database, _ account: String, _ container: String, _ itemID: String, atMost: Int)
+    throws -> Int
+  {
+    try Int.fetchOne(
+      db.cached(
+        """
+        WITH RECURSIVE below(itemID, depth) AS (
+          SELECT itemID, 1 FROM items WHERE account = ?1 AND container = ?2 AND parentID = ?3 AND deleted = 0
+          UNION ALL
+          SELECT i.itemID, b.depth + 1 FROM below b JOIN items i
+            ON i.account = ?1 AND i.container = ?2 AND i.parentID = b.itemID AND i.deleted = 0 AND i.itemID <> ?3
+          WHERE b.depth < ?4)
+        SELECT COALESCE(MAX(depth), 0) FROM below
+        """), arguments: [account, container, itemID, max(atMost, 1)]) ?? 0
   }
 
   /// Writes `item` with the container's next change sequence number as its etag; returns the

@@ -183,13 +183,19 @@ public struct CollectedChunks: Codable, Sendable, Equatable {
 /// transaction: the new parent's ancestry and a live namesake.
 public struct TreeSnapshot: Sendable {
   /// The new parent, its parent, and so on: up to the root, a missing record, a repeated id,
-  /// or the written item itself (included, so a would-be cycle shows), at most
+  /// or the written item itself (included and last, so a would-be cycle shows), at most
   /// `TreeSnapshot.maxDepth` records.
   public var ancestors: [CloudItem]
+  /// The walk of `ancestors` stopped at an id it had met before: the ancestry is a loop.
+  public var ancestorsLoop: Bool = false
   /// A live item, other than the written one, with the same parent and name.
   public var namesake: CloudItem?
   /// For a delete: a live item whose parent is the deleted one.
   public var liveChild: CloudItem?
+  /// For a folder that moves: how many levels of live items it holds (1: items, none in
+  /// folders), counted no further than the depth the move would leave room for plus one; 0
+  /// otherwise.
+  public var heightBelow: Int = 0
   /// Live items in the container before this write.
   public var liveItems: Int64
   /// Whether the write adds a live item (a new one, or one brought back from a tombstone).
@@ -206,6 +212,70 @@ public struct TreeSnapshot: Sendable {
   }
   /// The deepest ancestry an engine reads; deeper trees are refused as cycles.
   public static let maxDepth = 4096
+}
+
+/// The ancestries one commit transaction has read (`TreeSnapshot.ancestors`), by the folder
+/// they start at. The items of a batch mostly share their folders: a folder thousands of
+/// levels deep is walked once per transaction, not once per item, and a folder whose own
+/// folder was walked costs one more record. An ancestry is forgotten when the transaction
+/// writes an item on it, or the missing item it ended at.
+public struct AncestryCache: Sendable {
+  /// A walk from a folder: the records met, and whether it stopped at an id met before.
+  public struct Ancestry: Sendable {
+    public var chain: [CloudItem]
+    public var loops: Bool
+
+    public init(chain: [CloudItem], loops: Bool) {
+      self.chain = chain
+      self.loops = loops
+    }
+  }
+
+  private var walks: [String: Ancestry] = [:]
+  /// Every item id on a remembered ancestry, and the missing ids they ended at.
+  private var involved: Set<String> = []
+
+  public init() {}
+
+  /// The ancestry of a write of `itemID` into `parentID`, if the walk from `parentID` is
+  /// remembered: cut after `itemID` when the written item is on it (a move below itself).
+  public func ancestry(of itemID: String, under parentID: String) -> Ancestry? {
+    walks[parentID].map { cut($0, after: itemID) }
+  }
+
+  /// The walk from `parent`'s id, when the walk from its own folder is remembered and does
+  /// not meet `parent` (a loop): `parent` and that walk, at most `TreeSnapshot.maxDepth`.
+  public func extending(_ parent: CloudItem) -> Ancestry? {
+    guard let up = parent.parentID, let above = walks[up], !involved.contains(parent.itemID) else { return nil }
+    return Ancestry(chain: [parent] + above.chain.prefix(TreeSnapshot.maxDepth - 1), loops: above.loops)
+  }
+
+  /// Remembers `walk`, from `parentID` (every id it visited in `visited`, the missing one it
+  /// ended at included), and returns the ancestry of a write of `itemID`.
+  public mutating func remember(
+    _ walk: Ancestry, under parentID: String, visited: some Sequence<String>, for itemID: String
+  ) -> Ancestry {
+    walks[parentID] = walk
+    involved.formUnion(visited)
+    involved.insert(parentID)
+    return cut(walk, after: itemID)
+  }
+
+  /// The transaction stored a version of `itemID`: every ancestry that went through it, or
+  /// ended where it was missing, is read again.
+  public mutating func written(_ itemID: String) {
+    guard involved.contains(itemID) else { return }
+    walks = [:]
+    involved = []
+  }
+
+  /// `walk` up to and including `itemID`, when it holds it.
+  func cut(_ walk: Ancestry, after itemID: String) -> Ancestry {
+    guard involved.contains(itemID), let i = walk.chain.firstIndex(where: { $0.itemID == itemID }) else {
+      return walk
+    }
+    return Ancestry(chain: Array(walk.chain[...i]), loops: false)
+  }
 }
 
 /// One write of `MetadataStore.commitAll`: the arguments of one `commit`.

@@ -415,8 +415,10 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   ) async throws -> CloudItem {
     try await transaction { conn in
       try await lockContainer(conn, account, container)
+      var ancestries = AncestryCache()
       return try await commitOne(
-        conn, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule))
+        conn, account, container, ItemWrite(item: item, ifMatch: ifMatch, chunks: chunks, rule: rule),
+        ancestries: &ancestries)
     }
   }
 
@@ -424,12 +426,16 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     try await transaction { conn in
       try await lockContainer(conn, account, container)
       var committed: [CloudItem] = []
+      // The batch's items mostly share their folders: each folder's ancestry is walked once.
+      var ancestries = AncestryCache()
       for write in writes {
         // A write refused part way (the quota is checked after the record is stored) leaves
         // nothing: its savepoint is rolled back.
         try await conn.query("SAVEPOINT item_write", logger: log)
         do {
-          committed.append(try await commitOne(conn, account, container, write))
+          let stored = try await commitOne(conn, account, container, write, ancestries: &ancestries)
+          committed.append(stored)
+          ancestries.written(stored.itemID)
           try await conn.query("RELEASE SAVEPOINT item_write", logger: log)
         } catch let error as CloudError {
           try await conn.query("ROLLBACK TO SAVEPOINT item_write", logger: log)
@@ -453,15 +459,19 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   }
 
   /// One write of a commit, inside its transaction, with the container's row locked.
-  func commitOne(_ conn: PostgresConnection, _ account: String, _ container: String, _ write: ItemWrite)
-    async throws -> CloudItem
-  {
+  /// `ancestries`: what the transaction has walked of the tree; the caller notes each stored
+  /// write in it.
+  func commitOne(
+    _ conn: PostgresConnection, _ account: String, _ container: String, _ write: ItemWrite,
+    ancestries: inout AncestryCache
+  ) async throws -> CloudItem {
     let item = write.item
     let current = try await storedRecord(conn, account, container, item.itemID)
     try CommitRule.check(current: current?.item, ifMatch: write.ifMatch, writing: item)
     let delta = Int64(item.deleted ? 0 : 1) - Int64(current.map { $0.item.deleted ? 0 : 1 } ?? 0)
     if let rule = write.rule {
-      var tree = try await self.treeSnapshot(conn, account, container, item)
+      var tree = try await self.treeSnapshot(
+        conn, account, container, item, current: current?.item, ancestries: &ancestries)
       tree.addsLiveItem = delta > 0
       tree.liveItems =
         try await Self.first(
@@ -517,6 +527,30 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
   }
 
+  /// The records on the walk up from `itemID` (it included) by item id: the records of its
+  /// parent, that one's parent and so on, at most `TreeSnapshot.maxDepth` steps, in one query.
+  func ancestryRecords(_ conn: PostgresConnection, _ account: String, _ container: String, from itemID: String)
+    async throws -> [String: CloudItem]
+  {
+    var found: [String: CloudItem] = [:]
+    for try await record in try await conn.query(
+      """
+      WITH RECURSIVE up(item_id, parent_id, record, depth) AS (
+        SELECT item_id, parent_id, record, 1 FROM items
+        WHERE account = \(account) AND container = \(container) AND item_id = \(itemID)
+        UNION ALL
+        SELECT i.item_id, i.parent_id, i.record, u.depth + 1 FROM up u JOIN items i
+          ON i.account = \(account) AND i.container = \(container) AND i.item_id = u.parent_id
+        WHERE u.depth < \(TreeSnapshot.maxDepth))
+      SELECT DISTINCT ON (item_id) record FROM up
+      """, logger: log
+    ).decode(String.self) {
+      let item = try RecordJSON.decodeStored(Data(record.utf8))
+      found[item.itemID] = item
+    }
+    return found
+  }
+
   func record(_ conn: PostgresConnection, _ account: String, _ container: String, _ itemID: String) async throws
     -> CloudItem?
   {
@@ -535,10 +569,12 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
   }
 
-  /// The written item's `TreeSnapshot`, inside the commit's transaction.
-  func treeSnapshot(_ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem)
-    async throws -> TreeSnapshot
-  {
+  /// The written item's `TreeSnapshot`, inside the commit's transaction. `current`: the
+  /// stored version it replaces.
+  func treeSnapshot(
+    _ conn: PostgresConnection, _ account: String, _ container: String, _ item: CloudItem, current: CloudItem?,
+    ancestries: inout AncestryCache
+  ) async throws -> TreeSnapshot {
     if item.deleted {
       let child = try await Self.first(
         try await conn.query(
@@ -549,15 +585,31 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
     }
-    var ancestors: [CloudItem] = []
-    var seen = Set<String>()
-    var next = item.parentID
-    while let id = next, ancestors.count < TreeSnapshot.maxDepth, seen.insert(id).inserted,
-      let parent = try await record(conn, account, container, id)
-    {
-      ancestors.append(parent)
-      if id == item.itemID { break }
-      next = parent.parentID
+    var ancestry = AncestryCache.Ancestry(chain: [], loops: false)
+    if let parentID = item.parentID {
+      if let known = ancestries.ancestry(of: item.itemID, under: parentID) {
+        ancestry = known
+      } else if let parent = try await record(conn, account, container, parentID),
+        let extended = ancestries.extending(parent)
+      {
+        ancestry = ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
+      } else {
+        // Up to the root, a missing record, an id met before (a loop), or the depth limit: the
+        // records come in one query, the walk over them stops where it would over the table.
+        let above = try await ancestryRecords(conn, account, container, from: parentID)
+        var chain: [CloudItem] = []
+        var seen = Set<String>()
+        var next: String? = parentID
+        while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = above[id] {
+          chain.append(parent)
+          next = parent.parentID
+        }
+        // Stopped at an id met before (not at one that is missing): a loop.
+        let loops =
+          next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
+        ancestry = ancestries.remember(
+          AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
+      }
     }
     var namesake: CloudItem? = nil
     if let parentID = item.parentID {
@@ -569,7 +621,28 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
           """, logger: log), String.self
       ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
     }
-    return TreeSnapshot(ancestors: ancestors, namesake: namesake)
+    var tree = TreeSnapshot(ancestors: ancestry.chain, namesake: namesake)
+    tree.ancestorsLoop = ancestry.loops
+    // For a folder that moves: how deep its items go, not counting itself (a loop of parents
+    // through it, which a repair breaks by moving it, ends there).
+    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID {
+      let atMost = max(TreeSnapshot.maxDepth - ancestry.chain.count + 1, 1)
+      tree.heightBelow =
+        try await Self.first(
+          try await conn.query(
+            """
+            WITH RECURSIVE below(item_id, depth) AS (
+              SELECT item_id, 1 FROM items WHERE account = \(account) AND container = \(container)
+                AND parent_id = \(item.itemID) AND NOT deleted
+              UNION ALL
+              SELECT i.item_id, b.depth + 1 FROM below b JOIN items i
+                ON i.account = \(account) AND i.container = \(container) AND i.parent_id = b.item_id AND NOT i.deleted
+                AND i.item_id <> \(item.itemID)
+              WHERE b.depth < \(atMost))
+            SELECT COALESCE(MAX(depth), 0) FROM below
+            """, logger: log), Int.self) ?? 0
+    }
+    return tree
   }
 
   /// Writes `item` with the container's next change sequence number as its etag; returns the

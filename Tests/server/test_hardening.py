@@ -81,6 +81,65 @@ def test_one_live_name_per_parent(api):
     assert put(api, folder("b", "same")).status == 201
 
 
+def _deep_chain(api: Api, prefix: str, depth: int, parent: str = "documents") -> list[str]:
+    """Folders prefix1 .. prefix<depth>, each in the one before (the first in `parent`), made
+    with batches of versions; returns their ids, top first."""
+    ids = [f"{prefix}{n}" for n in range(1, depth + 1)]
+    parents = [parent] + ids[:-1]
+    for start in range(0, depth, 1000):
+        puts = [{"item": folder(i, i, parent=p)} for i, p in zip(ids[start:start + 1000], parents[start:start + 1000])]
+        body = api.post(f"{CQ}/items", {"puts": puts}).json()
+        assert body.get("refused") is None and len(body["committed"]) == len(puts), body.get("refused")
+    return ids
+
+
+def test_a_very_deep_folder_is_walked_once_per_batch_and_bounds_what_moves_into_it(server, new_account):
+    """An item is at most 4,096 levels down (counting the container root and Documents).
+
+    The items of a batch mostly share their folder: its ancestry, thousands of levels deep,
+    is read once for the batch, not once per item. A thousand files in a folder 4,000 levels
+    down cost the server little more than a thousand files in Documents; before, each item
+    walked the 4,000 levels again and the batch held the store's writer for seconds.
+
+    A move of a folder is refused when an item inside it would end up deeper than the limit,
+    not only when the folder itself would: otherwise one move makes a tree no commit could
+    have made, whose deepest items every client then refuses."""
+    api = new_account()
+    api.ensure_container(C)
+    a = _deep_chain(api, "a", 4000)
+
+    def cpu_of_batch(parent: str, prefix: str) -> float:
+        puts = [{"item": item(f"{prefix}{n}", f"{prefix}{n}.txt", parent=parent)} for n in range(1000)]
+        before = _cpu_seconds(server.pid)
+        body = api.post(f"{CQ}/items", {"puts": puts}).json()
+        assert body.get("refused") is None and len(body["committed"]) == 1000, body.get("refused")
+        return _cpu_seconds(server.pid) - before
+
+    cpu_of_batch("documents", "warm")
+    shallow = min(cpu_of_batch("documents", f"s{r}-") for r in range(2))
+    deep = min(cpu_of_batch(a[-1], f"x{r}-") for r in range(2))
+    assert deep < 3 * shallow + 0.5, f"1,000 files 4,000 levels down: {deep:.2f} s, in Documents: {shallow:.2f} s"
+
+    # a4000 has 4,001 records above it: a folder moved into it is 4,002 levels down, so what
+    # it holds may go 94 levels further, no more.
+    _deep_chain(api, "b", 200)
+    for top, height in (("b1", 199), ("b105", 95)):
+        rec = api.get(f"{CQ}/items/{top}").json()
+        body = error(put(api, dict(rec, parentID=a[-1]), if_match=rec["etag"]), 409, "cycle")
+        assert "deeper" in body["error"], (height, body)
+        assert api.get(f"{CQ}/items/{top}").json()["parentID"] == rec["parentID"]
+    # Exactly at the limit: b200, the deepest, ends 4,096 levels down.
+    rec = api.get(f"{CQ}/items/b106").json()
+    assert put(api, dict(rec, parentID=a[-1]), if_match=rec["etag"]).status == 200
+    error(put(api, folder("b201", "b201", parent="b200")), 409, "cycle")
+    # A batch that moves one is refused the same way, after the versions before it.
+    rec = api.get(f"{CQ}/items/b1").json()
+    body = api.post(f"{CQ}/items", {"puts": [{"item": folder("ok-move", "ok")},
+                                            {"item": dict(rec, parentID=a[-1]), "ifMatch": rec["etag"]}]}).json()
+    assert [i["itemID"] for i in body["committed"]] == ["ok-move"]
+    assert (body["refused"]["status"], body["refused"]["code"]) == (409, "cycle"), body
+
+
 def test_a_folder_with_live_items_is_not_deleted(api):
     api.ensure_container(C)
     d = put(api, folder("nd", "nonempty")).json()
