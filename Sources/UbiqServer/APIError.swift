@@ -145,9 +145,26 @@ struct ErrorMiddleware<Context: RequestContext>: RouterMiddleware {
       return try await next(request, context)
     } catch {
       if let api = APIError.from(error) { return api.response() }
-      context.logger.error("\(request.method) \(request.uri.path): \(String(reflecting: error))")
+      context.logger.error(
+        "\(UnknownErrorLog.line(method: "\(request.method)", path: request.uri.path, error: error))")
       return APIError(.internalServerError, "internal", "internal server error").response()
     }
+  }
+}
+
+/// The log line of an error no answer describes (a bug: the client gets a bare 500): one
+/// line, at most `maxBytes` of the error's text, so whatever the error holds (a request's
+/// body, a whole query) cannot flood the log.
+enum UnknownErrorLog {
+  static let maxBytes = 1_000
+
+  static func line(method: String, path: String, error: any Error) -> String {
+    let text = String(reflecting: error)
+    let bytes = text.utf8.count
+    var kept = text.utf8.count <= maxBytes ? text : String(decoding: text.utf8.prefix(maxBytes), as: UTF8.self)
+    kept = kept.split(omittingEmptySubsequences: false, whereSeparator: \.isNewline).joined(separator: " ")
+    let place = "\(method) \(String(decoding: path.utf8.prefix(200), as: UTF8.self))"
+    return bytes <= maxBytes ? "\(place): \(kept)" : "\(place): \(kept)… (\(bytes) bytes in all)"
   }
 }
 
