@@ -57,7 +57,15 @@ class _CloudAccount:
 
 
 _ACCOUNTS: dict[str, _CloudAccount] = {}
-_SCALE: dict = {}  # "stack", "servers": started on first use, stopped at session end
+_SCALE: dict = {}  # "stack", "servers": started on first use, stopped at session end; "logs": their folder
+
+
+def pytest_configure(config):
+    # The scale tier's server logs go beside the run's other files: the folder that holds
+    # --basetemp (scripts/test.sh's reports folder), not into the basetemp itself, which
+    # pytest empties when it first hands out a tmp_path.
+    base = config.option.basetemp
+    _SCALE["logs"] = Path(base).resolve().parent if base else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
 def _scale_servers() -> tuple:
@@ -65,10 +73,9 @@ def _scale_servers() -> tuple:
         stack = ubiqstack.ScaleStack()
         _SCALE["stack"] = stack
         stack.start()
-        logs = Path(os.environ.get("TMPDIR", "/tmp"))
         _SCALE["servers"] = []
         for i in range(2):
-            s = ubiqstack.ServerProcess(stack.storage(), logs / f"ubiq-scale-serve-{os.getpid()}-{i}.log")
+            s = ubiqstack.ServerProcess(stack.storage(), _SCALE["logs"] / f"ubiq-scale-serve-{os.getpid()}-{i}.log")
             _SCALE["servers"].append(s)
             s.start()
     return _SCALE["stack"].storage(), _SCALE["servers"]
