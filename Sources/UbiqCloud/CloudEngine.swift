@@ -244,7 +244,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     -> CloudItem
   {
     if let refusal = Self.deleteRefusal(itemID: itemID) { throw refusal }
-    if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if let problem = DeviceIDRule.problem(deviceID) { throw CloudError.invalid(problem) }
     guard let current = try await metadata.item(account: account, container: container.rawValue, itemID: itemID) else {
       guard ifMatch == nil else { throw CloudError.notFound("item \(itemID)") }
       // An item this cloud has not seen, deleted without an etag: a device deletes an item
@@ -270,7 +270,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     guard deletes.count <= ItemDelete.maxPerBatch else {
       throw CloudError.invalid("a batch holds at most \(ItemDelete.maxPerBatch) deletes, not \(deletes.count)")
     }
-    if deviceID.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if let problem = DeviceIDRule.problem(deviceID) { throw CloudError.invalid(problem) }
     // The deletes up to the first invalid one are carried out; the store may refuse one earlier.
     var valid = deletes[...]
     var invalid: CloudError?
@@ -408,7 +408,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
 
   public func kvWrite(_ container: ContainerID, _ write: KVWrite) async throws -> KVWriteResult {
     try kvLimits.validate(key: write.key)
-    if write.device.utf8.count > 128 { throw CloudError.invalid("device id longer than 128 bytes") }
+    if let problem = DeviceIDRule.problem(write.device) { throw CloudError.invalid(problem) }
     if write.timestamp < 0 { throw CloudError.invalid("timestamp \(write.timestamp) is negative") }
     if let value = write.value {
       if value.depth > JSONValue.maxDepth {

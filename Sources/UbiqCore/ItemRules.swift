@@ -18,6 +18,23 @@ public enum BrokenItemRule: Error, Sendable, Equatable, CustomStringConvertible 
   }
 }
 
+/// What a device id written into a record may be (an item's writer, a conflict version's, a
+/// key-value entry's device): at most 128 bytes and no control character (a NUL, which
+/// PostgreSQL's text cannot hold; a newline, which would split a line of a log or of
+/// `ubiqfs status`). Empty is allowed: a record may name no device.
+public enum DeviceIDRule {
+  public static let maxBytes = 128
+
+  /// Why `id` cannot be a device id, or nil when it can.
+  public static func problem(_ id: String) -> String? {
+    if id.utf8.count > maxBytes { return "device id longer than \(maxBytes) bytes" }
+    if id.unicodeScalars.contains(where: { $0.properties.generalCategory == .control }) {
+      return "device id with a control character"
+    }
+    return nil
+  }
+}
+
 extension ItemName {
   /// Throws for a name no cloud item may have: an invalid name, or one that stays on its device
   /// (`.nosync`), which a device never uploads.
@@ -65,10 +82,8 @@ extension CloudItem {
     for v in conflicts ?? [] where !Identifier.isValid(v.versionID) {
       return .invalidID("conflict version id \(Identifier.quoted(v.versionID))")
     }
-    if deviceID.utf8.count > 128 || (contentDeviceID?.utf8.count ?? 0) > 128
-      || (conflicts ?? []).contains(where: { $0.deviceID.utf8.count > 128 })
-    {
-      return .invalid("device id longer than 128 bytes")
+    for id in [deviceID, contentDeviceID ?? ""] + (conflicts ?? []).map(\.deviceID) {
+      if let problem = DeviceIDRule.problem(id) { return .invalid(problem) }
     }
     if (settledNameOf?.utf8.count ?? 0) > 128 { return .invalid("settledNameOf longer than 128 bytes") }
     do { try ItemName.validateInCloud(name) } catch { return .invalid("\(error)") }

@@ -255,6 +255,24 @@ def test_device_ids_are_length_checked_and_the_content_author_round_trips(api):
     assert gone["deleted"] and gone.get("contentDeviceID") is None
 
 
+def test_device_ids_with_a_control_character_are_refused_everywhere(api):
+    """A device id names a writer in records, key-value entries, logs and `ubiqfs status`: like
+    a device's name it has no control character. A NUL in one was stored by the embedded
+    engine and made PostgreSQL fail (a 503 that a client retries for ever); a newline would
+    split a log line. Every way in is a 400 and stores nothing."""
+    api.ensure_container(C)
+    for bad in ("a\u0000b", "a\nb", "a\x7f"):
+        error(put(api, dict(folder("cd1", "cd1"), deviceID=bad)), 400, "invalid")
+        error(put(api, dict(item("cd2", "cd2.bin"), contentDeviceID=bad)), 400, "invalid")
+        error(api.put(f"{CQ}/kv/cd-key", {"value": 1, "device": bad}), 400, "invalid")
+        error(api.delete(f"{CQ}/items/cd-never?device={urllib.parse.quote(bad)}"), 400, "invalid")
+        body = api.post(f"{CQ}/deletes?device={urllib.parse.quote(bad)}", {"deletes": [{"itemID": "cd-never", "ifMatch": "1"}]})
+        error(body, 400, "invalid")
+    for gone in ("cd1", "cd2", "cd-never"):
+        error(api.get(f"{CQ}/items/{gone}"), 404, "not_found")
+    assert not any(e["key"] == "cd-key" for e in api.get(f"{CQ}/kv").json()["entries"])
+
+
 def test_bad_parent_ids_are_refused(api):
     api.ensure_container(C)
     error(put(api, folder("p1", "p1", parent="../documents")), 400, "invalid_id")
