@@ -54,7 +54,8 @@ WORKLOADS = {"io": io_rows, "metadata": metadata_rows, "bigdir": bigdir_rows, "t
 def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = None, passes: int = 3):
     """Mounts ubiqfs, the FUSE limit and rclone in a fresh folder, runs each group `passes`
     times (every pass measures every target, so a noisy moment hits them alike; rows are the
-    medians), unmounts everything."""
+    medians; each pass starts the order of the targets one further along, so none always
+    follows the same one and pays for what it left the disk to do), unmounts everything."""
     tmp = Path(tempfile.mkdtemp(prefix="ubiq-bench-", dir="/var/tmp"))
     w = World(tmp, baseline_bin)
     try:
@@ -68,7 +69,8 @@ def run_groups(groups, sz: Sizes, rec: Recorder, baseline_bin: Path | None = Non
             t0 = time.perf_counter()
             for k in range(passes):
                 print(f"[{group}] pass {k + 1} of {passes}", flush=True)
-                WORKLOADS[group](w, targets, sz, rec)
+                shift = k % len(targets)
+                WORKLOADS[group](w, targets[shift:] + targets[:shift], sz, rec)
             secs = time.perf_counter() - t0
             rec.finish_group(group, secs, passes)
             print(f"[{group}] done in {secs:.0f} s", flush=True)

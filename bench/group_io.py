@@ -16,6 +16,8 @@ def fio(path: Path, name: str, rw: str, size: str, bs: str, jobs=1, extra=()):
     """One fio job (psync); returns MiB/s. Writes end with fsync; reads don't invalidate the
     page cache unless `extra` says so."""
     opts = ["--end_fsync=1"] if "write" in rw else ["--invalidate=0"]
+    if "write" in rw:
+        sh("sync")  # what the target before left for the disk to write is not this one's time
     out = sh("fio", "--name", name, "--directory", path, "--rw", rw, "--bs", bs, "--size", size,
              "--numjobs", jobs, "--group_reporting", "--output-format=json", "--ioengine=psync",
              *opts, *extra).stdout
