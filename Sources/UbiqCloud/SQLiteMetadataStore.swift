@@ -497,6 +497,9 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     async throws -> StoredChangePage
   {
     try await readOrUnavailable { db in
+      guard try Self.containerExists(db, account, container) else {
+        throw CloudError.notFound("container \(container)")
+      }
       let rows = try Row.fetchAll(
         db.cached(
           """
@@ -510,9 +513,12 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
 
   public func lastChange(account: String, container: String) async throws -> Int64 {
     try await readOrUnavailable { db in
-      try Int64.fetchOne(
-        db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
-        arguments: [account, container]) ?? 0
+      guard
+        let seq = try Int64.fetchOne(
+          db.cached("SELECT lastSeq FROM containers WHERE account = ? AND container = ?"),
+          arguments: [account, container])
+      else { throw CloudError.notFound("container \(container)") }
+      return seq
     }
   }
 

@@ -39,9 +39,10 @@ public protocol MetadataStore: Sendable {
   func commitAll(account: String, container: String, writes: [ItemWrite]) async throws -> ItemBatchResults
   /// The records changed after `since`, in change order, as stored: at most `limit`, and past
   /// the first no more than `maxBytes` of stored record bytes (`StoredChangePage.page`).
+  /// Throws `notFound` for a container that does not exist.
   func storedChanges(account: String, container: String, since: Int64, limit: Int, maxBytes: Int) async throws
     -> StoredChangePage
-  /// The newest change sequence number of a container (0 if none).
+  /// The newest change sequence number of a container; `notFound` for one that does not exist.
   func lastChange(account: String, container: String) async throws -> Int64
   /// Which of `hashes` are live chunks of the account (recorded and not doomed).
   func knownChunks(account: String, hashes: [String]) async throws -> Set<String>

@@ -678,6 +678,12 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     async throws -> StoredChangePage
   {
     try await read { conn in
+      guard
+        try await Self.first(
+          try await conn.query(
+            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+          Int64.self) != nil
+      else { throw CloudError.notFound("container \(container)") }
       var rows: [(seq: Int64, record: Data)] = []
       for try await (seq, record) in try await conn.query(
         """
@@ -693,10 +699,13 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
 
   public func lastChange(account: String, container: String) async throws -> Int64 {
     try await read { conn in
-      try await Self.first(
-        try await conn.query(
-          "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
-        Int64.self) ?? 0
+      guard
+        let seq = try await Self.first(
+          try await conn.query(
+            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+          Int64.self)
+      else { throw CloudError.notFound("container \(container)") }
+      return seq
     }
   }
 

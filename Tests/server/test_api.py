@@ -142,8 +142,12 @@ def test_items_etags_if_match_and_conflicts(api):
     body = error(put_file(api, "never", "late.txt", b"sent before the delete"), 409, "conflict")
     assert body["current"]["deleted"] is True
     error(api.get(f"{CQ}/items/nope"), 404, "not_found")
-    # A container that does not exist.
+    # A container that does not exist: nothing stored, no changes to read or wait for (an
+    # empty feed would tell a client it is up to date with a container no one made).
     error(api.put("/v1/containers/iCloud.com.example.other/items/x", item("x", "x", b"")), 404, "not_found")
+    error(api.get("/v1/containers/iCloud.com.example.other/changes?since=0"), 404, "not_found")
+    error(api.get("/v1/containers/iCloud.com.example.other/changes/wait?since=0&timeout=0"), 404, "not_found")
+    error(api.get("/v1/containers/iCloud.com.example.other/changes/wait?since=0&timeout=100"), 404, "not_found")
 
 
 def test_a_batch_of_versions_commits_in_order_and_stops_at_the_first_refused(api):
@@ -392,7 +396,7 @@ def test_accounts_never_see_each_other(new_account):
     error(bob.get(f"/v1/chunks/{h}", headers={"Range": "bytes=0-3"}), 404, "not_found")
     assert bob.post("/v1/chunks/missing", {"hashes": [h]}).json() == {"missing": [h]}
     error(bob.get(f"{CQ}/items/s1"), 404, "not_found")
-    assert bob.get(f"{CQ}/changes?since=0").json()["items"] == []
+    error(bob.get(f"{CQ}/changes?since=0"), 404, "not_found")
     assert bob.get("/v1/containers").json() == {"containers": []}
     # Bob's container with the same identifier is his own, empty one.
     bob.ensure_container(C)
