@@ -280,8 +280,10 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     let current = try await metadata.items(
       account: account, container: container.rawValue, itemIDs: valid.map(\.itemID))
-    // An item already deleted keeps its tombstone and writes nothing; the others become
-    // tombstones, written in order in one transaction. An unknown item ends the batch.
+    // An item already deleted keeps its tombstone and writes nothing, as does an item the
+    // batch deletes a second time (it answers the tombstone the first delete writes); the
+    // others become tombstones, written in order in one transaction. An unknown item ends the
+    // batch.
     enum Step {
       case alreadyDeleted(CloudItem)
       case write(Int)
@@ -289,7 +291,12 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     }
     var steps: [Step] = []
     var writes: [ItemWrite] = []
+    var writeOf: [String: Int] = [:]
     for delete in valid {
+      if let earlier = writeOf[delete.itemID] {
+        steps.append(.write(earlier))
+        continue
+      }
       guard let item = current[delete.itemID] else {
         steps.append(.absent(delete.itemID))
         break
@@ -298,6 +305,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
         steps.append(.alreadyDeleted(item))
         continue
       }
+      writeOf[delete.itemID] = writes.count
       steps.append(.write(writes.count))
       let gone = Self.tombstone(of: item, by: deviceID)
       writes.append(

@@ -235,6 +235,13 @@ def test_a_batch_of_deletes_goes_in_order_and_stops_at_the_first_refused(api):
     body = api.post(f"{CQ}/deletes", deletes("d1", "d3")).json()
     assert [(i["itemID"], i["deleted"]) for i in body["committed"]] == [("d1", True), ("d3", True)]
     assert body["committed"][0]["changeSeq"] == seqs[0] and body.get("refused") is None
+    # The same item twice in one batch (a client's queue that holds a repeat): the second is a
+    # delete of what is deleted by then, which answers its tombstone, as a second DELETE does.
+    twice = api.put(f"{CQ}/items/d5", item("d5", "d5")).json()
+    body = api.post(f"{CQ}/deletes", deletes("d5", "d5", etag=twice["etag"])).json()
+    assert body.get("refused") is None, body
+    assert [(i["itemID"], i["deleted"]) for i in body["committed"]] == [("d5", True), ("d5", True)]
+    assert body["committed"][0]["changeSeq"] == body["committed"][1]["changeSeq"]
     # Every refusal a single DELETE knows, after the deletes before it.
     assert api.put(f"{CQ}/items/ne", item("ne", "ne", kind=2)).status == 201
     child = api.put(f"{CQ}/items/nc", item("nc", "nc", parent="ne")).json()
