@@ -387,7 +387,8 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
       maxBytes: limits.maxChangePageBytes)
   }
 
-  /// The newest change sequence number of a container (0 if it has none).
+  /// The newest change sequence number of a container; `notFound` when there is no such
+  /// container.
   public func lastChange(_ container: ContainerID) async throws -> Int64 {
     try await metadata.lastChange(account: account, container: container.rawValue)
   }
@@ -452,6 +453,7 @@ public final class CloudEngine: CloudService, KeyValueService, @unchecked Sendab
     if item.kind == .directory && item.size != 0 {
       throw CloudError.invalid("folder \(item.itemID) has size \(item.size): a folder's size is 0")
     }
+    for id in item.deviceIDs { if let problem = DeviceIDRule.problem(id) { throw CloudError.invalid(problem) } }
     switch item.brokenRule {
     case nil: return
     case .invalidID(let what): throw CloudError.invalidID(what)

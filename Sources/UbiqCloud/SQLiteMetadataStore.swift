@@ -399,28 +399,27 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       reads.records[id] = found
       return found
     }
-    var ancestry = AncestryCache.Ancestry(chain: [], loops: false)
-    if let parentID = item.parentID {
-      if let known = reads.ancestries.ancestry(of: item.itemID, under: parentID) {
-        ancestry = known
-      } else if let parent = try read(parentID), let extended = reads.ancestries.extending(parent) {
-        ancestry = reads.ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
-      } else {
-        // Up to the root, a missing record, an id met before (a loop), or the depth limit.
-        var chain: [CloudItem] = []
-        var seen = Set<String>()
-        var next: String? = parentID
-        while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = try read(id) {
-          chain.append(parent)
-          next = parent.parentID
-        }
-        // Stopped at an id met before (not at one that is missing): a loop.
-        let loops =
-          next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
-        ancestry = reads.ancestries.remember(
-          AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
+    // The ancestry of `item` were it in `parentID`: the walk up from there.
+    func walkUp(from parentID: String?) throws -> AncestryCache.Ancestry {
+      guard let parentID else { return AncestryCache.Ancestry(chain: [], loops: false) }
+      if let known = reads.ancestries.ancestry(of: item.itemID, under: parentID) { return known }
+      if let parent = try read(parentID), let extended = reads.ancestries.extending(parent) {
+        return reads.ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
       }
+      // Up to the root, a missing record, an id met before (a loop), or the depth limit.
+      var chain: [CloudItem] = []
+      var seen = Set<String>()
+      var next: String? = parentID
+      while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = try read(id) {
+        chain.append(parent)
+        next = parent.parentID
+      }
+      // Stopped at an id met before (not at one that is missing): a loop.
+      let loops = next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
+      return reads.ancestries.remember(
+        AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
     }
+    let ancestry = try walkUp(from: item.parentID)
     let namesake = try Data.fetchOne(
       db.cached(
         """
@@ -430,7 +429,11 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
     ).map { try RecordJSON.decodeStored($0) }
     var tree = TreeSnapshot(ancestors: ancestry.chain, namesake: namesake)
     tree.ancestorsLoop = ancestry.loops
-    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID {
+    // A folder that moves deeper: how deep its items go (a move that does not deepen it
+    // leaves them where the limit already held them, and costs no walk of its contents).
+    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID,
+      try ancestry.chain.count > walkUp(from: current.parentID).chain.count
+    {
       tree.heightBelow = try heightBelow(
         db, account, container, item.itemID, atMost: TreeSnapshot.maxDepth - ancestry.chain.count + 1)
     }

@@ -527,6 +527,33 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     if !missing.isEmpty { throw CloudError.missingChunks(missing.sorted()) }
   }
 
+  /// The ancestry of a write of `itemID` into `parentID` (`TreeSnapshot.ancestors`), from
+  /// what the transaction remembers when it can.
+  func ancestry(
+    _ conn: PostgresConnection, _ account: String, _ container: String, of itemID: String, under parentID: String?,
+    _ ancestries: inout AncestryCache
+  ) async throws -> AncestryCache.Ancestry {
+    guard let parentID else { return AncestryCache.Ancestry(chain: [], loops: false) }
+    if let known = ancestries.ancestry(of: itemID, under: parentID) { return known }
+    if let parent = try await record(conn, account, container, parentID), let extended = ancestries.extending(parent) {
+      return ancestries.remember(extended, under: parentID, visited: [parentID], for: itemID)
+    }
+    // Up to the root, a missing record, an id met before (a loop), or the depth limit: the
+    // records come in one query, the walk over them stops where it would over the table.
+    let above = try await ancestryRecords(conn, account, container, from: parentID)
+    var chain: [CloudItem] = []
+    var seen = Set<String>()
+    var next: String? = parentID
+    while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = above[id] {
+      chain.append(parent)
+      next = parent.parentID
+    }
+    // Stopped at an id met before (not at one that is missing): a loop.
+    let loops = next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
+    return ancestries.remember(
+      AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: itemID)
+  }
+
   /// The records on the walk up from `itemID` (it included) by item id: the records of its
   /// parent, that one's parent and so on, at most `TreeSnapshot.maxDepth` steps, in one query.
   func ancestryRecords(_ conn: PostgresConnection, _ account: String, _ container: String, from itemID: String)
@@ -585,32 +612,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
       ).map { try RecordJSON.decodeStored(Data($0.utf8)) }
       return TreeSnapshot(ancestors: [], namesake: nil, liveChild: child)
     }
-    var ancestry = AncestryCache.Ancestry(chain: [], loops: false)
-    if let parentID = item.parentID {
-      if let known = ancestries.ancestry(of: item.itemID, under: parentID) {
-        ancestry = known
-      } else if let parent = try await record(conn, account, container, parentID),
-        let extended = ancestries.extending(parent)
-      {
-        ancestry = ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
-      } else {
-        // Up to the root, a missing record, an id met before (a loop), or the depth limit: the
-        // records come in one query, the walk over them stops where it would over the table.
-        let above = try await ancestryRecords(conn, account, container, from: parentID)
-        var chain: [CloudItem] = []
-        var seen = Set<String>()
-        var next: String? = parentID
-        while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = above[id] {
-          chain.append(parent)
-          next = parent.parentID
-        }
-        // Stopped at an id met before (not at one that is missing): a loop.
-        let loops =
-          next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
-        ancestry = ancestries.remember(
-          AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
-      }
-    }
+    let ancestry = try await self.ancestry(conn, account, container, of: item.itemID, under: item.parentID, &ancestries)
     var namesake: CloudItem? = nil
     if let parentID = item.parentID {
       namesake = try await Self.first(
@@ -623,9 +625,14 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     }
     var tree = TreeSnapshot(ancestors: ancestry.chain, namesake: namesake)
     tree.ancestorsLoop = ancestry.loops
-    // For a folder that moves: how deep its items go, not counting itself (a loop of parents
-    // through it, which a repair breaks by moving it, ends there).
-    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID {
+    // A folder that moves deeper: how deep its items go, not counting itself (a loop of
+    // parents through it, which a repair breaks by moving it, ends there). A move that does
+    // not deepen it leaves them where the limit already held them, and costs no walk of its
+    // contents.
+    if item.kind == .directory, let current, !current.deleted, current.parentID != item.parentID,
+      try await ancestry.chain.count
+        > self.ancestry(conn, account, container, of: item.itemID, under: current.parentID, &ancestries).chain.count
+    {
       let atMost = max(TreeSnapshot.maxDepth - ancestry.chain.count + 1, 1)
       tree.heightBelow =
         try await Self.first(
@@ -678,12 +685,7 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     async throws -> StoredChangePage
   {
     try await read { conn in
-      guard
-        try await Self.first(
-          try await conn.query(
-            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
-          Int64.self) != nil
-      else { throw CloudError.notFound("container \(container)") }
+      _ = try await lastSeq(conn, account, container)
       var rows: [(seq: Int64, record: Data)] = []
       for try await (seq, record) in try await conn.query(
         """
@@ -698,15 +700,18 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
   }
 
   public func lastChange(account: String, container: String) async throws -> Int64 {
-    try await read { conn in
-      guard
-        let seq = try await Self.first(
-          try await conn.query(
-            "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
-          Int64.self)
-      else { throw CloudError.notFound("container \(container)") }
-      return seq
-    }
+    try await read { conn in try await lastSeq(conn, account, container) }
+  }
+
+  /// The container's last change sequence number; `notFound` when there is no such container.
+  func lastSeq(_ conn: PostgresConnection, _ account: String, _ container: String) async throws -> Int64 {
+    guard
+      let seq = try await Self.first(
+        try await conn.query(
+          "SELECT last_seq FROM containers WHERE account = \(account) AND container = \(container)", logger: log),
+        Int64.self)
+    else { throw CloudError.notFound("container \(container)") }
+    return seq
   }
 
   public func knownChunks(account: String, hashes: [String]) async throws -> Set<String> {

@@ -19,16 +19,19 @@ public enum BrokenItemRule: Error, Sendable, Equatable, CustomStringConvertible 
 }
 
 /// What a device id written into a record may be (an item's writer, a conflict version's, a
-/// key-value entry's device): at most 128 bytes and no control character (a NUL, which
-/// PostgreSQL's text cannot hold; a newline, which would split a line of a log or of
-/// `ubiqfs status`). Empty is allowed: a record may name no device.
+/// key-value entry's device): at most 128 bytes and no control character or line separator (a
+/// NUL, which PostgreSQL's text cannot hold; a newline, which would split a line of a log or of
+/// `ubiqfs status`). Empty is allowed: a record may name no device. A server checks it on every
+/// write; a client applies records whatever their device ids hold beyond the length (a record
+/// stored before this rule still applies everywhere).
 public enum DeviceIDRule {
   public static let maxBytes = 128
 
   /// Why `id` cannot be a device id, or nil when it can.
   public static func problem(_ id: String) -> String? {
     if id.utf8.count > maxBytes { return "device id longer than \(maxBytes) bytes" }
-    if id.unicodeScalars.contains(where: { $0.properties.generalCategory == .control }) {
+    let refused: Set<Unicode.GeneralCategory> = [.control, .lineSeparator, .paragraphSeparator]
+    if id.unicodeScalars.contains(where: { refused.contains($0.properties.generalCategory) }) {
       return "device id with a control character"
     }
     return nil
@@ -74,6 +77,10 @@ extension CloudItem {
 
   /// The first rule of the cloud's tree this version breaks, or nil. (The container root,
   /// which the cloud makes and nothing writes, has no parent.)
+  /// Every device id the record names: its writer, its content's author, its conflict
+  /// versions' writers.
+  public var deviceIDs: [String] { [deviceID, contentDeviceID ?? ""] + (conflicts ?? []).map(\.deviceID) }
+
   public var brokenRule: BrokenItemRule? {
     guard Identifier.isValid(itemID) else { return .invalidID("item id \(Identifier.quoted(itemID))") }
     if let parentID, !Identifier.isValid(parentID) {
@@ -82,8 +89,8 @@ extension CloudItem {
     for v in conflicts ?? [] where !Identifier.isValid(v.versionID) {
       return .invalidID("conflict version id \(Identifier.quoted(v.versionID))")
     }
-    for id in [deviceID, contentDeviceID ?? ""] + (conflicts ?? []).map(\.deviceID) {
-      if let problem = DeviceIDRule.problem(id) { return .invalid(problem) }
+    if deviceIDs.contains(where: { $0.utf8.count > DeviceIDRule.maxBytes }) {
+      return .invalid("device id longer than \(DeviceIDRule.maxBytes) bytes")
     }
     if (settledNameOf?.utf8.count ?? 0) > 128 { return .invalid("settledNameOf longer than 128 bytes") }
     do { try ItemName.validateInCloud(name) } catch { return .invalid("\(error)") }

@@ -162,7 +162,9 @@ enum UnknownErrorLog {
     let text = String(reflecting: error)
     let bytes = text.utf8.count
     var kept = text.utf8.count <= maxBytes ? text : String(decoding: text.utf8.prefix(maxBytes), as: UTF8.self)
-    kept = kept.split(omittingEmptySubsequences: false, whereSeparator: \.isNewline).joined(separator: " ")
+    kept = String(
+      String.UnicodeScalarView(
+        kept.unicodeScalars.map { $0.properties.generalCategory == .control || $0.properties.isWhitespace ? " " : $0 }))
     let place = "\(method) \(String(decoding: path.utf8.prefix(200), as: UTF8.self))"
     return bytes <= maxBytes ? "\(place): \(kept)" : "\(place): \(kept)… (\(bytes) bytes in all)"
   }

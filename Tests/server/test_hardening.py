@@ -261,7 +261,7 @@ def test_device_ids_with_a_control_character_are_refused_everywhere(api):
     engine and made PostgreSQL fail (a 503 that a client retries for ever); a newline would
     split a log line. Every way in is a 400 and stores nothing."""
     api.ensure_container(C)
-    for bad in ("a\u0000b", "a\nb", "a\x7f"):
+    for bad in ("a\u0000b", "a\nb", "a\x7f", "a\u2028b"):
         error(put(api, dict(folder("cd1", "cd1"), deviceID=bad)), 400, "invalid")
         error(put(api, dict(item("cd2", "cd2.bin"), contentDeviceID=bad)), 400, "invalid")
         error(api.put(f"{CQ}/kv/cd-key", {"value": 1, "device": bad}), 400, "invalid")
