@@ -406,18 +406,7 @@ public final class SQLiteMetadataStore: ServerMetadataStore, @unchecked Sendable
       if let parent = try read(parentID), let extended = reads.ancestries.extending(parent) {
         return reads.ancestries.remember(extended, under: parentID, visited: [parentID], for: item.itemID)
       }
-      // Up to the root, a missing record, an id met before (a loop), or the depth limit.
-      var chain: [CloudItem] = []
-      var seen = Set<String>()
-      var next: String? = parentID
-      while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = try read(id) {
-        chain.append(parent)
-        next = parent.parentID
-      }
-      // Stopped at an id met before (not at one that is missing): a loop.
-      let loops = next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
-      return reads.ancestries.remember(
-        AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: item.itemID)
+      return try reads.ancestries.walk(from: parentID, for: item.itemID, record: read)
     }
     let ancestry = try walkUp(from: item.parentID)
     let namesake = try Data.fetchOne(

@@ -262,6 +262,24 @@ public struct AncestryCache: Sendable {
     return cut(walk, after: itemID)
   }
 
+  /// Walks up from `parentID` over `record` (nil: no such record): to the root, a missing
+  /// record, an id met before (a loop) or `TreeSnapshot.maxDepth` records; remembers the walk
+  /// and returns the ancestry of a write of `itemID`.
+  public mutating func walk(from parentID: String, for itemID: String, record: (String) throws -> CloudItem?)
+    rethrows -> Ancestry
+  {
+    var chain: [CloudItem] = []
+    var seen = Set<String>()
+    var next: String? = parentID
+    while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = try record(id) {
+      chain.append(parent)
+      next = parent.parentID
+    }
+    // Stopped at an id met before (not at one that is missing): a loop.
+    let loops = next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
+    return remember(Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: itemID)
+  }
+
   /// The transaction stored a version of `itemID`: every ancestry that went through it, or
   /// ended where it was missing, is read again.
   public mutating func written(_ itemID: String) {

@@ -538,20 +538,9 @@ public final class PostgresMetadataStore: ServerMetadataStore, @unchecked Sendab
     if let parent = try await record(conn, account, container, parentID), let extended = ancestries.extending(parent) {
       return ancestries.remember(extended, under: parentID, visited: [parentID], for: itemID)
     }
-    // Up to the root, a missing record, an id met before (a loop), or the depth limit: the
-    // records come in one query, the walk over them stops where it would over the table.
+    // The records come in one query; the walk over them stops where it would over the table.
     let above = try await ancestryRecords(conn, account, container, from: parentID)
-    var chain: [CloudItem] = []
-    var seen = Set<String>()
-    var next: String? = parentID
-    while let id = next, chain.count < TreeSnapshot.maxDepth, seen.insert(id).inserted, let parent = above[id] {
-      chain.append(parent)
-      next = parent.parentID
-    }
-    // Stopped at an id met before (not at one that is missing): a loop.
-    let loops = next.map { id in chain.count < TreeSnapshot.maxDepth && chain.contains { $0.itemID == id } } ?? false
-    return ancestries.remember(
-      AncestryCache.Ancestry(chain: chain, loops: loops), under: parentID, visited: seen, for: itemID)
+    return ancestries.walk(from: parentID, for: itemID) { above[$0] }
   }
 
   /// The records on the walk up from `itemID` (it included) by item id: the records of its

@@ -75,12 +75,12 @@ extension CloudItem {
   /// answers at most 64 KiB, and the mount adds its own `user.ubiq.*` names.
   public static let maxXattrNamesBytes = 60 * 1024
 
-  /// The first rule of the cloud's tree this version breaks, or nil. (The container root,
-  /// which the cloud makes and nothing writes, has no parent.)
   /// Every device id the record names: its writer, its content's author, its conflict
   /// versions' writers.
   public var deviceIDs: [String] { [deviceID, contentDeviceID ?? ""] + (conflicts ?? []).map(\.deviceID) }
 
+  /// The first rule of the cloud's tree this version breaks, or nil. (The container root,
+  /// which the cloud makes and nothing writes, has no parent.)
   public var brokenRule: BrokenItemRule? {
     guard Identifier.isValid(itemID) else { return .invalidID("item id \(Identifier.quoted(itemID))") }
     if let parentID, !Identifier.isValid(parentID) {

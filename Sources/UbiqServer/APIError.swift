@@ -161,7 +161,7 @@ enum UnknownErrorLog {
   static func line(method: String, path: String, error: any Error) -> String {
     let text = String(reflecting: error)
     let bytes = text.utf8.count
-    var kept = text.utf8.count <= maxBytes ? text : String(decoding: text.utf8.prefix(maxBytes), as: UTF8.self)
+    var kept = bytes <= maxBytes ? text : String(decoding: text.utf8.prefix(maxBytes), as: UTF8.self)
     kept = String(
       String.UnicodeScalarView(
         kept.unicodeScalars.map { $0.properties.generalCategory == .control || $0.properties.isWhitespace ? " " : $0 }))

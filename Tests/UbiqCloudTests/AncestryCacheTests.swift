@@ -39,6 +39,24 @@ final class AncestryCacheTests: XCTestCase {
     XCTAssertNil(cache.extending(folder("d", parent: "elsewhere")))
   }
 
+  func testAWalkStopsAtTheRootAMissingRecordOrALoopAndIsRemembered() {
+    var records = Dictionary(uniqueKeysWithValues: walk.chain.map { ($0.itemID, $0) })
+    var cache = AncestryCache()
+    let toRoot = cache.walk(from: "c", for: "x") { records[$0] }
+    XCTAssertEqual(toRoot.chain.map(\.itemID), ["c", "b", "a"])
+    XCTAssertFalse(toRoot.loops)
+    XCTAssertEqual(cache.ancestry(of: "y", under: "c")?.chain.map(\.itemID), ["c", "b", "a"])
+    let missing = cache.walk(from: "e", for: "x") { $0 == "e" ? self.folder("e", parent: "gone") : nil }
+    XCTAssertEqual(missing.chain.map(\.itemID), ["e"])
+    XCTAssertFalse(missing.loops)
+    // a in c: c, b, a, then c again.
+    records["a"] = folder("a", parent: "c")
+    var fresh = AncestryCache()
+    let loop = fresh.walk(from: "c", for: "x") { records[$0] }
+    XCTAssertEqual(loop.chain.map(\.itemID), ["c", "b", "a"])
+    XCTAssertTrue(loop.loops)
+  }
+
   func testWritingAnItemOnAWalkOrWhereOneEndedForgetsTheWalks() {
     var cache = AncestryCache()
     _ = cache.remember(walk, under: "c", visited: ["c", "b", "a"], for: "x")
