@@ -20,10 +20,10 @@ public enum AccountName {
     if name == local { throw CloudError.invalid("'local' is reserved for the embedded cloud") }
   }
 
+  /// A device's name is the device id of its token's writes that name none, so it follows
+  /// `DeviceIDRule`, and is not empty.
   public static func validateDevice(_ name: String) throws {
-    guard !name.isEmpty, name.utf8.count <= 128,
-      !name.unicodeScalars.contains(where: { $0.properties.generalCategory == .control })
-    else {
+    guard !name.isEmpty, DeviceIDRule.problem(name) == nil else {
       throw CloudError.invalid("device name must be 1-128 bytes without control characters")
     }
   }

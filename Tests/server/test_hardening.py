@@ -244,8 +244,9 @@ def test_device_ids_are_length_checked_and_the_content_author_round_trips(api):
                "chunks": [{"hash": sha(data), "length": len(data)}]}
     error(put(api, dict(item("dev4", "dev4.bin"), conflicts=[version])), 400, "invalid")
     assert put(api, dict(item("dev4", "dev4.bin"), conflicts=[dict(version, deviceID="d" * 128)])).status == 201
-    # A device's name has no control character, DEL included.
-    for name in ("a\x7f", "a\x01", "a\u0085"):
+    # A device's name has no control character, DEL included, and no line separator: it is the
+    # device id of the token's writes that name none (a delete's `?device=`).
+    for name in ("a\x7f", "a\x01", "a\u0085", "a\u2028"):
         error(api.post("/v1/devices", {"name": name}), 400, "invalid")
     stored = put(api, dict(item("dev3", "dev3.bin"), deviceID="device-a", contentDeviceID="device-b")).json()
     assert stored["contentDeviceID"] == "device-b"
