@@ -29,6 +29,8 @@ let package = Package(
     .systemLibrary(name: "CFuse3", pkgConfig: "fuse3", providers: [.apt(["libfuse3-dev"])]),
     // Linux calls that Swift's Glibc module does not show.
     .target(name: "CLinux"),
+    // The index's statement trace in C (the SQL a change ran, for the redo log).
+    .target(name: "CStatementCapture", linkerSettings: [.linkedLibrary("sqlite3")]),
     .target(
       name: "UbiqCore",
       dependencies: [.product(name: "Crypto", package: "swift-crypto")]),
@@ -41,7 +43,9 @@ let package = Package(
     .target(name: "UbiqSQLite", dependencies: [.product(name: "GRDB", package: "GRDB.swift")]),
     .target(
       name: "UbiqIndex",
-      dependencies: ["UbiqCore", "UbiqSQLite", .product(name: "GRDB", package: "GRDB.swift")]),
+      dependencies: [
+        "CStatementCapture", "UbiqCore", "UbiqSQLite", .product(name: "GRDB", package: "GRDB.swift"),
+      ]),
     // The cloud's rules (CloudEngine) over its storage protocols, with the embedded storage
     // (SQLite metadata, blob folder): the default cloud of a mount and one backend of `serve`.
     .target(

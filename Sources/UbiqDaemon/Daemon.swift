@@ -80,7 +80,9 @@ public final class Daemon {
     if SpaceReserve(folder: dir.path).releaseIfDiskIsFull() {
       log.warning("the state folder's disk is full: its space reserve is given back for removals")
     }
-    let index = try IndexStore(path: dir.appendingPathComponent("index.sqlite").path)
+    // The mount's changes share transactions; a redo log a crash left is replayed here.
+    let index = try IndexStore(
+      path: dir.appendingPathComponent("index.sqlite").path, batching: NamespaceBatchPolicy())
     index.uploadDelayNs = Int64(uploadDelayMs) * 1_000_000
     try index.bootstrap(uid: getuid(), gid: getgid())
     let deviceID = try index.deviceID()
@@ -224,6 +226,11 @@ public final class Daemon {
       try fs.removeForgottenContent()
     } catch {
       log.warning("removing the cache files of deleted items failed: \(error)")
+    }
+    do {
+      try index.commitBatch()
+    } catch {
+      log.warning("the last changes stay in the index's redo log for the next mount: \(error)")
     }
     session.close()
     try? FileManager.default.removeItem(at: recordURL)

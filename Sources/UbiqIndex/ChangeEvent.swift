@@ -117,7 +117,7 @@ public struct ChangeEvent: Sendable, Equatable {
 extension IndexStore {
   /// Events after `seq`, oldest first.
   public func events(after seq: Int64, limit: Int) throws -> [ChangeEvent] {
-    try pool.read { db in
+    try read { db in
       try Row.fetchAll(
         db.cached("SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?"), arguments: [seq, limit]
       ).map(ChangeEvent.init)
@@ -126,12 +126,12 @@ extension IndexStore {
 
   /// The newest event's number (0 if there is none).
   public func lastEventSeq() throws -> Int64 {
-    try pool.read { db in try Int64.fetchOne(db.cached("SELECT max(seq) FROM events")) ?? 0 }
+    try read { db in try Int64.fetchOne(db.cached("SELECT max(seq) FROM events")) ?? 0 }
   }
 
   /// The oldest event still kept (events before it were trimmed).
   public func firstEventSeq() throws -> Int64? {
-    try pool.read { db in try Int64.fetchOne(db.cached("SELECT min(seq) FROM events")) }
+    try read { db in try Int64.fetchOne(db.cached("SELECT min(seq) FROM events")) }
   }
 
   /// Runs `body` in the current write transaction with its changes marked as remote.

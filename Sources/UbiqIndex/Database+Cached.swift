@@ -6,7 +6,15 @@ extension IndexStore {
   /// Runs a single-statement read without a transaction around it: one SQLite statement
   /// already sees one consistent snapshot. Multi-statement reads use `pool.read`.
   func readOne<T>(_ body: (Database) throws -> T) throws -> T {
-    try statementReaders.read(body) ?? pool.unsafeRead(body)
+    if batch?.isOpen == true { return try pool.unsafeReentrantWrite(body) }
+    return try statementReaders.read(body) ?? pool.unsafeRead(body)
+  }
+
+  /// Runs a read in one transaction. While a batch is open its changes are in the writer's
+  /// transaction only: the read runs there, after the change running now.
+  func read<T>(_ body: (Database) throws -> T) throws -> T {
+    if batch?.isOpen == true { return try pool.unsafeReentrantWrite(body) }
+    return try pool.read(body)
   }
 
   /// Runs `body` in one write transaction, as `pool.write` does, with BEGIN IMMEDIATE and
@@ -15,10 +23,15 @@ extension IndexStore {
   /// that SQLite ended by itself (disk full, I/O error) fails at its COMMIT. A body must not
   /// catch a database error and go on: after SQLite rolled back by itself, its next statements
   /// would each commit alone.
+  /// An open batch commits first: a change here (the uploader's, the puller's) is its own
+  /// transaction and may be followed by a request to the cloud that relies on it.
   func write<T>(_ body: (Database) throws -> T) throws -> T {
     try pool.writeWithoutTransaction { db in
+      try batch?.commit(db)
       try db.cached("BEGIN IMMEDIATE TRANSACTION").execute()
       do {
+        // A batch's redo log applies only on the state it began on.
+        try NamespaceBatch.bumpSeq(db)
         let value = try body(db)
         try db.cached("COMMIT TRANSACTION").execute()
         return value
@@ -26,6 +39,25 @@ extension IndexStore {
         if db.isInsideTransaction { try? db.rollback() }
         throw error
       }
+    }
+  }
+
+  /// Runs `body` as one change of the open batch (`NamespaceBatch`): a namespace change or a
+  /// content record of the mount, which promises no more than a WAL commit did (durable
+  /// against a killed daemon, by the redo log; against a power loss only after `makeDurable`).
+  /// Without batching, `write`. A body that throws is undone; the rest of the batch stays.
+  func batchedWrite<T>(_ body: (Database) throws -> T) throws -> T {
+    guard let batch else { return try write(body) }
+    return try pool.writeWithoutTransaction { db in try batch.run(db, body) }
+  }
+
+  /// `batchedWrite` for a change that frees room or takes none (`writeFreeingRoom`).
+  func batchedWriteFreeingRoom<T>(_ body: (Database) throws -> T) throws -> T {
+    do {
+      return try batchedWrite(body)
+    } catch let error as DatabaseError where error.resultCode == .SQLITE_FULL {
+      guard let reserve, reserve.release() else { throw error }
+      return try batchedWrite(body)
     }
   }
 

@@ -6,7 +6,7 @@ extension IndexStore {
   /// This device's side of `SyncAudit.compare`: every item with its folder's cloud id and its
   /// path, what is queued, held or refused, and the change token, read in one transaction.
   public func auditSnapshot() throws -> SyncAudit.LocalSnapshot {
-    try pool.read { db in
+    try read { db in
       let token = Int64(try String.fetchOne(db, sql: "SELECT value FROM meta WHERE key = 'changeToken'") ?? "0") ?? 0
       let queued = Set(try Int64.fetchAll(db, sql: "SELECT item FROM uploadQueue WHERE item IS NOT NULL"))
       let dirty = Set(try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent"))

@@ -56,7 +56,7 @@ public struct UploadRecord: Sendable {
 extension IndexStore {
   /// Queue entries due now, oldest first.
   public func dueQueue(now: Int64, limit: Int) throws -> [QueueEntry] {
-    try pool.read { db in
+    try read { db in
       try QueueEntry.fetchAll(
         db, sql: "SELECT * FROM uploadQueue WHERE nextAttemptNs <= ? ORDER BY seq LIMIT ?", arguments: [now, limit])
     }
@@ -64,13 +64,13 @@ extension IndexStore {
 
   /// When the next queue entry becomes due (nil: queue empty).
   public func nextDueNs() throws -> Int64? {
-    try pool.read { db in try Int64.fetchOne(db.cached("SELECT min(nextAttemptNs) FROM uploadQueue")) }
+    try read { db in try Int64.fetchOne(db.cached("SELECT min(nextAttemptNs) FROM uploadQueue")) }
   }
 
   /// The cloud identifier and local revision of each of `inodes` that exists, read at one
   /// moment: enough to tell whether snapshots taken earlier are still the items' state.
   public func identities(_ inodes: [Int64]) throws -> [Int64: ItemIdentity] {
-    try pool.read { db in
+    try read { db in
       var found: [Int64: ItemIdentity] = [:]
       for inode in inodes {
         if let row = try Row.fetchOne(db.cached("SELECT itemID, revision FROM items WHERE id = ?"), arguments: [inode])
@@ -83,12 +83,12 @@ extension IndexStore {
   }
 
   public func uploadSnapshot(_ inode: Int64) throws -> UploadSnapshot? {
-    try pool.read { db in try Self.uploadSnapshot(db, inode) }
+    try read { db in try Self.uploadSnapshot(db, inode) }
   }
 
   /// The upload snapshots of those of `inodes` that exist, all read at one moment.
   public func uploadSnapshots(_ inodes: [Int64]) throws -> [Int64: UploadSnapshot] {
-    try pool.read { db in
+    try read { db in
       var found: [Int64: UploadSnapshot] = [:]
       for inode in inodes { found[inode] = try Self.uploadSnapshot(db, inode) }
       return found
@@ -264,7 +264,7 @@ extension IndexStore {
   public func hasQueuedEntry(
     takingOut itemID: String, of folderItemID: String, placedHere: Bool, besides seq: Int64
   ) throws -> Bool {
-    try pool.read { db in
+    try read { db in
       try Bool.fetchOne(
         db.cached(
           """
@@ -376,7 +376,7 @@ extension IndexStore {
   }
 
   public func queueSummary() throws -> QueueSummary {
-    try pool.read { db in
+    try read { db in
       let items = try Int.fetchOne(db.cached("SELECT count(*) FROM uploadQueue WHERE item IS NOT NULL")) ?? 0
       let deletes = try Int.fetchOne(db.cached("SELECT count(*) FROM uploadQueue WHERE deleteItemID IS NOT NULL")) ?? 0
       let bytes =
@@ -426,7 +426,7 @@ extension IndexStore {
   /// Number of queued uploads at or below `inode` (deletes count everywhere, since their
   /// place in the tree is gone).
   public func pendingCount(under inode: Int64) throws -> Int {
-    try pool.read { db in
+    try read { db in
       try Int.fetchOne(
         db,
         sql: """
@@ -442,7 +442,7 @@ extension IndexStore {
   /// name index); one that only ends with literal text (`*.txt`) reads the names that end so
   /// (the reversed-name index); any other reads every name.
   public func find(glob: String, limit: Int) throws -> [(path: String, row: ItemRow)] {
-    try pool.read { db in
+    try read { db in
       let rows: [ItemRow]
       if let range = Self.reversedNameBounds(matching: glob) {
         rows = try ItemRow.fetchAll(

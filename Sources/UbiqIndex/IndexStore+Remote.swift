@@ -757,14 +757,14 @@ extension IndexStore {
 
   /// Bytes of file content currently held in the cache (by the index's account).
   public func cachedBytes() throws -> Int64 {
-    try pool.read { db in
+    try read { db in
       try Int64.fetchOne(db.cached("SELECT COALESCE(sum(size), 0) FROM items WHERE kind = 1 AND content = 1")) ?? 0
     }
   }
 
   /// Least-recently-used files that could be evicted: cached, uploaded exactly, not pinned.
   public func evictionCandidates(limit: Int) throws -> [ItemRow] {
-    try pool.read { db in
+    try read { db in
       try ItemRow.fetchAll(
         db,
         sql: """
@@ -865,7 +865,7 @@ extension IndexStore {
 
   /// The held remote records, oldest change first.
   public func heldRemote() throws -> [CloudItem] {
-    try pool.read { db in
+    try read { db in
       try Data.fetchAll(db.cached("SELECT record FROM heldRemote ORDER BY changeSeq")).map {
         try RecordJSON.decodeStored($0)
       }

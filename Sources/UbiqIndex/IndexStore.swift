@@ -5,7 +5,8 @@ import UbiqSQLite
 
 /// The client's SQLite index for one container on this device: every item's metadata (rowid =
 /// inode), user xattrs, the durable upload queue and small key/value facts (device id, change
-/// token). All namespace changes are single transactions, so a crash never leaves half a rename.
+/// token). Every namespace change is all or nothing (a savepoint of the mount's batch, or its own
+/// transaction), so a crash never leaves half a rename.
 /// Sendable: the database pool serializes access; `uploadDelayNs` is set before use.
 public final class IndexStore: @unchecked Sendable {
   public let pool: any DatabaseWriter
@@ -23,6 +24,8 @@ public final class IndexStore: @unchecked Sendable {
   public let identifiers: IdentifierSource
   /// The connections of `readOne`.
   let statementReaders: StatementReaders
+  /// The open transaction the mount's changes share, nil where each commits by itself.
+  let batch: NamespaceBatch?
   /// Room kept aside in the index's folder for removals, renames and attribute changes on a
   /// full disk (`writeFreeingRoom`); nil for a read-only index.
   public let reserve: SpaceReserve?
@@ -32,16 +35,28 @@ public final class IndexStore: @unchecked Sendable {
   private let walDirectoryLock = NSLock()
 
   /// `statementObserver` is handed the SQL of every statement run (tests check query plans).
+  /// `batching`: the namespace and content-record changes of the mount share write transactions
+  /// (`batchedWrite`, `NamespaceBatch`), and a redo log a crash left is replayed here; only the
+  /// index of the mount's daemon batches (nil: every change commits by itself).
   public init(
     path: String, readOnly: Bool = false, clock: WallClock = .system, identifiers: IdentifierSource = .random,
-    statementObserver: (@Sendable (String) -> Void)? = nil
+    batching: NamespaceBatchPolicy? = nil, statementObserver: (@Sendable (String) -> Void)? = nil
   ) throws {
     self.clock = clock
     self.identifiers = identifiers
+    let capture = StatementCapture(observer: statementObserver)
     func configuration(readOnly: Bool) -> Configuration {
       var config = Configuration()
-      config.busyMode = .timeout(10)
+      // A lock another connection holds is tried again every millisecond for 10 s (SQLite's
+      // own wait backs off to 100 ms between tries, and the mount's batches leave the write
+      // lock free for moments only).
+      config.busyMode = .callback { tries in
+        usleep(1_000)
+        return tries < 10_000
+      }
       config.readonly = readOnly
+      // A batch's transaction stays open between the writer's accesses.
+      config.allowsUnsafeTransactions = !readOnly && batching != nil
       config.prepareDatabase { db in
         db.add(function: Self.reversedNameFunction)
         if !readOnly {
@@ -51,8 +66,15 @@ public final class IndexStore: @unchecked Sendable {
           // indexes' last leaves) are copied once per checkpoint, and its fsync of the database
           // file comes an eighth as often.
           try db.execute(sql: "PRAGMA wal_autocheckpoint = \(Self.checkpointFrames)")
+          // A batch's changes run in savepoints, whose journal of the pages they change would
+          // otherwise spill into a temporary file (a write per page).
+          try db.execute(sql: "PRAGMA temp_store = MEMORY")
         }
-        if let statementObserver {
+        // The pool's readers are read-only whatever the configuration says: only the writer
+        // captures a change's statements (and reports them to the observer too).
+        if batching != nil && !db.configuration.readonly {
+          try capture.install(on: db)
+        } else if let statementObserver {
           db.trace(options: .statement) { event in
             if case .statement(let statement) = event { statementObserver(statement.sql) }
           }
@@ -60,10 +82,13 @@ public final class IndexStore: @unchecked Sendable {
       }
       return config
     }
+    // Another process's index (the CLI's beside a mount) reads what the mount answered.
+    if batching == nil { RedoLog.waitForOpenBatch(path: path + "-redo") }
     reserve = readOnly ? nil : SpaceReserve(folder: (path as NSString).deletingLastPathComponent)
     if readOnly {
       pool = try DatabaseQueue(path: path, configuration: configuration(readOnly: true))
       statementReaders = StatementReaders(queues: [])
+      batch = nil
     } else {
       pool = try DatabasePool.openAmongProcesses(path: path, configuration: configuration(readOnly: false))
       try Self.migrator.migrateAmongProcesses(pool)
@@ -71,8 +96,29 @@ public final class IndexStore: @unchecked Sendable {
         queues: try (0..<StatementReaders.count).map { _ in
           try DatabaseQueue(path: path, configuration: configuration(readOnly: true))
         })
+      if let batching {
+        batch = try NamespaceBatch.open(pool: pool, databasePath: path, policy: batching, capture: capture)
+      } else {
+        batch = nil
+      }
     }
     try Self.checkItemColumns(pool)
+    if let batch {
+      // The batch, not the index, is held weakly: a dropped index's batch commits nothing more.
+      let pool = self.pool
+      batch.scheduleCommit = { [weak batch] afterNs in
+        DispatchQueue.global().asyncAfter(deadline: .now() + .nanoseconds(Int(afterNs))) { [weak batch] in
+          guard let batch else { return }
+          try? pool.writeWithoutTransaction { db in try batch.scheduledCommit(db) }
+        }
+      }
+    }
+  }
+
+  /// Commits the changes of the open batch, if any.
+  public func commitBatch() throws {
+    guard let batch, batch.isOpen else { return }
+    try pool.writeWithoutTransaction { db in try batch.commit(db) }
   }
 
   /// `ItemRow` decodes rows of `items` by position: the table's columns must start with
@@ -277,7 +323,7 @@ public final class IndexStore: @unchecked Sendable {
   // MARK: - facts
 
   public func meta(_ key: String) throws -> String? {
-    try pool.read { db in try String.fetchOne(db.cached("SELECT value FROM meta WHERE key = ?"), arguments: [key]) }
+    try read { db in try String.fetchOne(db.cached("SELECT value FROM meta WHERE key = ?"), arguments: [key]) }
   }
 
   public func setMeta(_ key: String, _ value: String) throws {
@@ -335,7 +381,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// The local item and etag of each of `itemIDs` that is here, read in one transaction.
   public func etags(itemIDs: [String]) throws -> [String: (inode: Int64, etag: String?)] {
-    try pool.read { db in
+    try read { db in
       var found: [String: (inode: Int64, etag: String?)] = [:]
       let statement = try db.cached("SELECT id, etag FROM items WHERE itemID = ?")
       for itemID in itemIDs {
@@ -356,7 +402,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Path of an item relative to the container root ("Documents/a.txt").
   public func path(of inode: Int64) throws -> String? {
-    try pool.read { db in try Self.path(db, inode) }
+    try read { db in try Self.path(db, inode) }
   }
 
   static func path(_ db: Database, _ inode: Int64) throws -> String? {
@@ -396,7 +442,7 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func isLocalOnly(_ inode: Int64) throws -> Bool {
-    try pool.read { db in try Self.isLocalOnly(db, inode) }
+    try read { db in try Self.isLocalOnly(db, inode) }
   }
 
   /// Makes every commit made so far durable, by any connection or process. Called where a
@@ -412,6 +458,7 @@ public final class IndexStore: @unchecked Sendable {
   /// Where there is no WAL file (an index no connection holds open in WAL mode), a commit with
   /// synchronous=FULL does it.
   public func makeDurable() throws {
+    try commitBatch()
     let wal = pool.path + "-wal"
     let fd = open(wal, O_RDONLY | O_CLOEXEC)
     guard fd >= 0 else {
@@ -500,7 +547,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Is `ancestor` the item itself or one of its ancestors?
   public func isDescendant(_ inode: Int64, of ancestor: Int64) throws -> Bool {
-    try pool.read { db in
+    try read { db in
       var cur: Int64? = inode
       var depth = 0
       while let c = cur, depth <= Self.maxDepth {
@@ -523,7 +570,7 @@ public final class IndexStore: @unchecked Sendable {
     symlinkTarget: String? = nil, inserted: (Int64) -> Void = { _ in }
   ) throws -> ItemRow {
     try ItemName.validate(name)
-    return try write { db in
+    return try batchedWrite { db in
       guard
         let p = try Row.fetchOne(
           db.cached("SELECT kind, name, mode, gid FROM items WHERE id = ?"), arguments: [parent])
@@ -562,7 +609,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Removes `name` from `parent`. `directory` selects rmdir semantics. Returns the removed row.
   public func remove(parent: Int64, name: String, directory: Bool) throws -> ItemRow {
-    try writeFreeingRoom { db in
+    try batchedWriteFreeingRoom { db in
       guard
         let row = try ItemRow.fetchOne(
           db.cached("SELECT * FROM items WHERE parent = ? AND name = ?"), arguments: [parent, name]),
@@ -638,7 +685,7 @@ public final class IndexStore: @unchecked Sendable {
     guard self.clock.nowNs() - row.ctimeNs < 2 * maxCoalescingNs, let base = Self.renamedBase(of: row) else {
       return nil
     }
-    return try pool.read { db in try Self.newFileAtTheCloudPlace(db, of: row, base: base)?.id }
+    return try read { db in try Self.newFileAtTheCloudPlace(db, of: row, base: base)?.id }
   }
 
   /// The cloud version of `row`, a file in the cloud that has another name here (read without
@@ -717,7 +764,7 @@ public final class IndexStore: @unchecked Sendable {
   public func markCommitsSent(items: [Int64]) throws {
     if items.isEmpty { return }
     let marks = Array(repeating: "?", count: items.count).joined(separator: ",")
-    let counts = try pool.read { db in
+    let counts = try read { db in
       try Row.fetchOne(
         db,
         sql: """
@@ -745,7 +792,7 @@ public final class IndexStore: @unchecked Sendable {
   /// the cloud, before its first commit was sent (nil: not marked, or marked before revisions
   /// were). Every commit of the item sent since came from this revision or a later one.
   public func revisionMarkedSent(seq: Int64) throws -> Int64? {
-    try pool.read { db in
+    try read { db in
       try Int64.fetchOne(db.cached("SELECT commitSentRevision FROM uploadQueue WHERE seq = ?"), arguments: [seq])
     }
   }
@@ -868,7 +915,7 @@ public final class IndexStore: @unchecked Sendable {
     parent: Int64, name: String, newParent: Int64, newName: String, mode: RenameMode
   ) throws -> RenameResult {
     try ItemName.validate(newName)
-    return try writeFreeingRoom { db in
+    return try batchedWriteFreeingRoom { db in
       guard let srcID = try Self.childID(db, parent, name),
         var src = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [srcID])
       else {
@@ -1104,7 +1151,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Applies setattr changes. Content size changes are the caller's job on the cache file.
   public func setAttributes(_ inode: Int64, _ c: AttributeChanges) throws -> ItemRow {
-    try writeFreeingRoom { db in
+    try batchedWriteFreeingRoom { db in
       guard var row = try ItemRow.fetchOne(db.cached("SELECT * FROM items WHERE id = ?"), arguments: [inode]) else {
         throw UbiqError.notFound("inode \(inode)")
       }
@@ -1150,7 +1197,7 @@ public final class IndexStore: @unchecked Sendable {
     _ inode: Int64, size: Int64, mtimeNs: Int64?, clean: Bool = false, synced: Bool = false
   ) throws {
     let now = self.clock.nowNs()
-    try write { db in
+    try batchedWrite { db in
       try db.cached(
         """
         UPDATE items SET size = ?, mtimeNs = COALESCE(?, mtimeNs), ctimeNs = ?, content = ?,
@@ -1179,37 +1226,34 @@ public final class IndexStore: @unchecked Sendable {
   /// uploaded) other bytes than the file holds.
   public func markContentDirty(_ inode: Int64) throws {
     var needsSync = false
-    try pool.writeWithoutTransaction { db in
-      try db.inTransaction {
-        // An unlinked file that is still open has no row: nothing to recover for it.
-        let marked =
-          try Bool.fetchOne(
-            db.cached(
-              """
-              SELECT EXISTS(SELECT 1 FROM dirtyContent WHERE item = ?)
-                OR EXISTS(SELECT 1 FROM unsyncedContent WHERE item = ?)
-              """), arguments: [inode, inode]) ?? false
-        try db.cached("INSERT OR IGNORE INTO dirtyContent(item) SELECT id FROM items WHERE id = ?")
-          .execute(arguments: [inode])
-        let inserted = db.changesCount > 0
-        let hasContent =
-          try Bool.fetchOne(
-            db.cached("SELECT size > 0 OR etag IS NOT NULL FROM items WHERE id = ?"), arguments: [inode]) ?? false
-        needsSync = inserted && !marked && hasContent
-        return .commit
-      }
+    try batchedWrite { db in
+      // An unlinked file that is still open has no row: nothing to recover for it.
+      let marked =
+        try Bool.fetchOne(
+          db.cached(
+            """
+            SELECT EXISTS(SELECT 1 FROM dirtyContent WHERE item = ?)
+              OR EXISTS(SELECT 1 FROM unsyncedContent WHERE item = ?)
+            """), arguments: [inode, inode]) ?? false
+      try db.cached("INSERT OR IGNORE INTO dirtyContent(item) SELECT id FROM items WHERE id = ?")
+        .execute(arguments: [inode])
+      let inserted = db.changesCount > 0
+      let hasContent =
+        try Bool.fetchOne(
+          db.cached("SELECT size > 0 OR etag IS NOT NULL FROM items WHERE id = ?"), arguments: [inode]) ?? false
+      needsSync = inserted && !marked && hasContent
     }
     if needsSync { try makeDurable() }
   }
 
   /// Files whose handles had unrecorded writes when the daemon stopped (a crash).
   public func dirtyContentItems() throws -> [Int64] {
-    try pool.read { db in try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent ORDER BY item") }
+    try read { db in try Int64.fetchAll(db, sql: "SELECT item FROM dirtyContent ORDER BY item") }
   }
 
   /// Files whose recorded content may not be durable in their cache file yet.
   public func unsyncedContentItems() throws -> [Int64] {
-    try pool.read { db in try Int64.fetchAll(db, sql: "SELECT item FROM unsyncedContent ORDER BY item") }
+    try read { db in try Int64.fetchAll(db, sql: "SELECT item FROM unsyncedContent ORDER BY item") }
   }
 
   /// Drops a dirty mark without recording anything (the cache file is gone).
@@ -1258,7 +1302,7 @@ public final class IndexStore: @unchecked Sendable {
   public enum XattrMode: Sendable { case any, create, replace }
 
   public func setXattr(_ inode: Int64, _ name: String, _ value: Data, mode: XattrMode) throws {
-    try write { db in
+    try batchedWrite { db in
       let exists =
         try Bool.fetchOne(db.cached("SELECT 1 FROM xattrs WHERE item = ? AND name = ?"), arguments: [inode, name])
         ?? false
@@ -1285,7 +1329,7 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   public func removeXattr(_ inode: Int64, _ name: String) throws {
-    try write { db in
+    try batchedWrite { db in
       try db.cached("DELETE FROM xattrs WHERE item = ? AND name = ?").execute(arguments: [inode, name])
       if db.changesCount == 0 { throw UbiqError.noData(name) }
       try db.execute(
@@ -1308,7 +1352,7 @@ public final class IndexStore: @unchecked Sendable {
 
   /// Pinned files whose content is not here (a crash stopped their download).
   public func pinnedDatalessFiles() throws -> [Int64] {
-    try pool.read { db in
+    try read { db in
       try Int64.fetchAll(
         db, sql: "SELECT id FROM items WHERE pinned = 1 AND kind = 1 AND content = 0")
     }

@@ -87,7 +87,7 @@ final class CoreWorld: @unchecked Sendable {
     try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
     let index = try IndexStore(
       path: state.appendingPathComponent("index.sqlite").path, clock: clock, identifiers: identifiers,
-      statementObserver: statementObserver)
+      batching: NamespaceBatchPolicy(), statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
     try runBlocking { [cloud, container] in

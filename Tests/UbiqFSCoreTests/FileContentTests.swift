@@ -4,9 +4,9 @@ import Testing
 import UbiqCloud
 import UbiqCloudAPI
 import UbiqCore
-import UbiqIndex
 
 @testable import UbiqFSCore
+@testable import UbiqIndex
 @testable import UbiqSync
 
 #if canImport(Glibc)
@@ -222,7 +222,7 @@ import UbiqIndex
     let hashFirst =
       "[" + row.chunkList.map { "{\"hash\":\"\($0.hash)\",\"length\":\($0.length)}" }.joined(separator: ",") + "]"
     let reordered = row.chunks == lengthFirst ? hashFirst : lengthFirst
-    try w.index.pool.write { db in
+    try w.index.write { db in
       try db.execute(sql: "UPDATE items SET chunks = ? WHERE id = ?", arguments: [reordered, f])
     }
     let writer = try w.core.open(f, flags: O_WRONLY, caller: Caller.current).handle
@@ -245,7 +245,7 @@ import UbiqIndex
     try w.drainUploads()
     try w.core.setxattr(p, name: "user.ubiq.pinned", value: Data("1".utf8), flags: [])
     // What a crash during the download of a new version leaves.
-    try w.index.pool.write { db in try db.execute(sql: "UPDATE items SET content = 0 WHERE id = ?", arguments: [p]) }
+    try w.index.write { db in try db.execute(sql: "UPDATE items SET content = 0 WHERE id = ?", arguments: [p]) }
     w.core.cache.remove(p)
     try w.crashAndRestart()
     let deadline = Date().addingTimeInterval(10)

@@ -5,6 +5,7 @@ import Testing
 import UbiqCore
 
 @testable import UbiqFSCore
+@testable import UbiqIndex
 
 #if canImport(Glibc)
   import Glibc
@@ -141,7 +142,7 @@ import UbiqCore
       ]
       for glob in globs {
         let found = try w.index.find(glob: glob, limit: 100).map { String($0.path.split(separator: "/").last ?? "") }
-        let scanned = try w.index.pool.read { db in
+        let scanned = try w.index.read { db in
           try String.fetchAll(db, sql: "SELECT name FROM items WHERE name GLOB ? AND id != 1", arguments: [glob])
         }
         try checkThat(
@@ -177,7 +178,7 @@ import UbiqCore
   /// The steps of `EXPLAIN QUERY PLAN` for `sql`, with NULL for each parameter.
   static func plan(of sql: String, in world: CoreWorld) throws -> [String] {
     let placeholders = sql.filter { $0 == "?" }.count
-    return try world.index.pool.read { db in
+    return try world.index.read { db in
       try Row.fetchAll(
         db, sql: "EXPLAIN QUERY PLAN " + sql,
         arguments: StatementArguments(Array(repeating: DatabaseValue.null, count: placeholders))

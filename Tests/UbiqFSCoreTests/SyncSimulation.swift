@@ -1138,18 +1138,14 @@ final class SyncSimulation {
   /// requests ends without a crash.
   func crashing(_ d: Int, atRequest n: Int, afterCarriedOut: Bool, _ body: () throws -> Void) throws {
     let w = devices[d]
-    let snapshot = w.root.appendingPathComponent("index-at-crash.sqlite")
-    try? FileManager.default.removeItem(at: snapshot)
     let index = w.index!
-    let copyFailure = LockedBox<String>()
+    let files = ["index.sqlite", "index.sqlite-wal", "index.sqlite-redo"]
+    let atCrash = LockedBox<[Data?]>()
     links[d].crash(atRequest: n, afterCarriedOut: afterCarriedOut) {
-      // A consistent copy of every committed transaction, taken between two of them.
-      do {
-        try index.pool.writeWithoutTransaction { db in
-          try db.execute(sql: "VACUUM INTO ?", arguments: [snapshot.path])
-        }
-      } catch {
-        copyFailure.set("\(error)")
+      // What the killed process leaves on disk, taken between two writes: the committed
+      // transactions (the files of the index) and the changes of an open batch (its redo log).
+      index.pool.writeWithoutTransaction { _ in
+        atCrash.set(files.map { try? Data(contentsOf: w.root.appendingPathComponent("state/\($0)")) })
       }
     }
     defer { links[d].restarted() }
@@ -1158,15 +1154,12 @@ final class SyncSimulation {
     // The crash point holds the old index: it goes before the files are put back (an index
     // closed later would remove the new one's WAL files).
     links[d].restarted()
-    if let failure = copyFailure.get() {
-      throw SimulationFailure(broken: ["no copy of device \(d)'s index at its crash: \(failure)"], report: report)
+    guard let copies = atCrash.get() else {
+      throw SimulationFailure(broken: ["no copy of device \(d)'s index at its crash"], report: report)
     }
     Self.stats["crashes at a request", default: 0] += 1
     open[d] = []
-    try w.crashAndRestart(restoringIndex: [
-      ("index.sqlite", try Data(contentsOf: snapshot)), ("index.sqlite-wal", nil),
-    ])
-    try? FileManager.default.removeItem(at: snapshot)
+    try w.crashAndRestart(restoringIndex: Array(zip(files, copies)))
   }
 
   func closeAll(_ d: Int) {
@@ -1180,7 +1173,7 @@ final class SyncSimulation {
 
   /// Device `d`'s items as its index has them, by item id.
   func localItems(_ d: Int) throws -> [String: LocalItem] {
-    let rows = try devices[d].index.pool.read { db in
+    let rows = try devices[d].index.read { db in
       try Row.fetchAll(
         db,
         sql: """
@@ -1260,7 +1253,7 @@ final class SyncSimulation {
       var pending: Bool
     }
     func items(_ e: Int) throws -> [String: Seen] {
-      let rows = try devices[e].index.pool.read { db in
+      let rows = try devices[e].index.read { db in
         try Row.fetchAll(
           db,
           sql: """
@@ -1320,7 +1313,7 @@ final class SyncSimulation {
 
   /// Records what device `d`'s index shows now.
   func observe(_ d: Int) throws {
-    let rows = try devices[d].index.pool.read { db in try ItemRow.fetchAll(db, sql: "SELECT * FROM items") }
+    let rows = try devices[d].index.read { db in try ItemRow.fetchAll(db, sql: "SELECT * FROM items") }
     for row in rows {
       for c in row.chunkList { observed[d].insert(c.hash) }
       for v in row.conflictList { for c in v.chunks { observed[d].insert(c.hash) } }
@@ -1394,7 +1387,7 @@ final class SyncSimulation {
       }
     }
     try walk(w.documents, "")
-    let rows = try w.index.pool.read { db in try Int.fetchOne(db, sql: "SELECT count(*) FROM items") ?? 0 }
+    let rows = try w.index.read { db in try Int.fetchOne(db, sql: "SELECT count(*) FROM items") ?? 0 }
     // The root and Documents are rows too.
     return (tree, hashes, rows - 2 - reached)
   }
@@ -1680,7 +1673,7 @@ final class SyncSimulation {
     var lines: [String] = []
     for d in links.indices { lines += links[d].trace.map { "device \(d) sent \($0)" } }
     for d in devices.indices {
-      let rows = try devices[d].index.pool.read { db in
+      let rows = try devices[d].index.read { db in
         try ItemRow.fetchAll(db, sql: "SELECT * FROM items ORDER BY id")
       }
       lines += rows.map { row in
@@ -2260,7 +2253,7 @@ final class SyncSimulation {
       let w = try #require(try b.inode("w.txt"))
       let y = try #require(try b.inode("y.txt"))
       let sFile = try #require(try b.inode("s.txt"))
-      try b.index.pool.write { db in
+      try b.index.write { db in
         try db.execute(sql: "DELETE FROM uploadQueue WHERE item IN (?, ?)", arguments: [w, sFile])
         try db.execute(sql: "UPDATE items SET syncedRevision = revision WHERE id = ?", arguments: [sFile])
         try db.execute(sql: "UPDATE items SET mode = 33152 WHERE id = ?", arguments: [y])  // 0o100600

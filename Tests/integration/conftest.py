@@ -351,6 +351,23 @@ class Ubiq:
         self.unmount()
         self.mount(*extra)
 
+    def kill_daemon(self) -> None:
+        """SIGKILL the daemon (what a crash does), wait until it is gone and detach its stale mount."""
+        pid = int(self.daemon_record()["pid"])
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.time() + 30
+        while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().split(")")[1].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.02)
+        assert time.time() < deadline, f"daemon {pid} still alive 30 s after SIGKILL"
+        subprocess.run(["fusermount3", "-uz", str(self.mnt)], capture_output=True)
+        assert str(self.mnt) not in ubiq_mounts()
+
     def sync(self, path: Path | str | None = None, timeout: float = 30) -> None:
         args = ["sync", "--wait"] + ([str(path)] if path is not None else []) + ["--timeout", str(timeout)]
         self.run(*args, timeout=timeout + 30)

@@ -194,10 +194,6 @@ def test_crash_kill_loop_loses_no_closed_write(ubiq):
     SIGKILL the daemon at a random moment, clean the stale mount, remount. At the end every
     closed file is in the cloud with the right bytes."""
     import random
-    import signal
-    import subprocess
-
-    from conftest import ubiq_mounts
 
     rng = random.Random(1234)
     expected: dict[str, bytes] = {}
@@ -218,12 +214,7 @@ def test_crash_kill_loop_loses_no_closed_write(ubiq):
             (ubiq.docs / name).write_bytes(data)
             expected[name] = data
         time.sleep(rng.uniform(0.0, 0.8))
-        pid = int(ubiq.daemon_record()["pid"])
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] == "Z",
-                 what="daemon to die")
-        subprocess.run(["fusermount3", "-uz", str(ubiq.mnt)], capture_output=True)
-        assert str(ubiq.mnt) not in ubiq_mounts()
+        ubiq.kill_daemon()
         ubiq.mount()
         for name, data in expected.items():
             assert sha256_file(ubiq.docs / name) == sha256(data), f"{name} changed after crash round {round_}"
