@@ -51,25 +51,15 @@ extension IndexStore {
     return try pool.writeWithoutTransaction { db in try batch.run(db, body) }
   }
 
-  /// `batchedWrite` for a change that frees room or takes none (`writeFreeingRoom`).
+  /// `batchedWrite` for a change that frees room or takes none (a removal, a rename, a
+  /// truncation, a mode or a time): if the disk is full, the space reserve is given back and the
+  /// change tried once more, so that a full disk can be emptied through the mount, as on ext4.
   func batchedWriteFreeingRoom<T>(_ body: (Database) throws -> T) throws -> T {
     do {
       return try batchedWrite(body)
     } catch let error as DatabaseError where error.resultCode == .SQLITE_FULL {
       guard let reserve, reserve.release() else { throw error }
       return try batchedWrite(body)
-    }
-  }
-
-  /// `write` for a change that frees room or takes none (a removal, a rename, a truncation,
-  /// a mode or a time): if the disk is full, the space reserve is given back and the change
-  /// tried once more, so that a full disk can be emptied through the mount, as on ext4.
-  func writeFreeingRoom<T>(_ body: (Database) throws -> T) throws -> T {
-    do {
-      return try write(body)
-    } catch let error as DatabaseError where error.resultCode == .SQLITE_FULL {
-      guard let reserve, reserve.release() else { throw error }
-      return try write(body)
     }
   }
 

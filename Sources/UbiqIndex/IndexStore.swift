@@ -27,7 +27,7 @@ public final class IndexStore: @unchecked Sendable {
   /// The open transaction the mount's changes share, nil where each commits by itself.
   let batch: NamespaceBatch?
   /// Room kept aside in the index's folder for removals, renames and attribute changes on a
-  /// full disk (`writeFreeingRoom`); nil for a read-only index.
+  /// full disk (`batchedWriteFreeingRoom`); nil for a read-only index.
   public let reserve: SpaceReserve?
   /// Whether `makeDurable` has synced the folder that holds the WAL's directory entry
   /// (guarded by `walDirectoryLock`).

@@ -4,12 +4,12 @@ import GRDB
 import UbiqCore
 
 /// The write transaction that the mount's namespace and content-record changes share
-/// (`IndexStore.batchedWrite`), committed every `Policy.maxChanges` changes or `maxDelayNs`
-/// after it opened, and the redo log that keeps each change safe against a crash of the daemon
+/// (`IndexStore.batchedWrite`), committed every `NamespaceBatchPolicy.maxChanges` changes or
+/// `maxDelayNs` after it opened, and the redo log that keeps each change safe against a crash of the daemon
 /// before that commit.
 ///
 /// A change runs in a savepoint of the open transaction; the statements it ran (captured by the
-/// writer connection's trace, with their values) are appended to the redo log with one `write`
+/// writer connection's trace, with their values) are copied into the redo log (a shared mapping)
 /// before the change returns, so a reply to the kernel follows its change as it followed a WAL
 /// commit before: in the page cache, durable against a killed process, not against a power
 /// loss. Every write transaction of the index bumps `meta.commitSeq`, and a batch's log names
@@ -118,20 +118,19 @@ final class NamespaceBatch: @unchecked Sendable {
   /// Commits the open batch, if there is one (its log then no longer applies).
   func commit(_ db: Database) throws {
     guard isOpen else { return }
+    var committed = false
     if db.isInsideTransaction {
       try Self.bumpSeq(db)
       do {
         try db.cached("COMMIT TRANSACTION").execute()
+        committed = true
       } catch {
-        // SQLite may end the transaction by itself (a full disk, an I/O error): the batch's
-        // changes are run again from their statements and committed once more.
         guard !db.isInsideTransaction else { throw error }
-        try redo(db)
-        try Self.bumpSeq(db)
-        try db.cached("COMMIT TRANSACTION").execute()
       }
-    } else {
-      // SQLite ended the transaction by itself after the last change.
+    }
+    if !committed {
+      // SQLite ended the transaction by itself (a full disk, an I/O error), at this COMMIT or
+      // after the last change: the batch's changes run again from their statements.
       try redo(db)
       try Self.bumpSeq(db)
       try db.cached("COMMIT TRANSACTION").execute()
@@ -326,7 +325,7 @@ final class RedoLog {
   /// The batch sequence the records apply on.
   private var base: Int64 = 0
   /// Where the next record goes, and how many the log holds.
-  private var end = 16
+  private var end = headerSize
   private var count: Int64 = 0
 
   /// Nil when another open file description holds the log's lock.
