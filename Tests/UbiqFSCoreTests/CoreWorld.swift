@@ -163,22 +163,36 @@ final class CoreWorld: @unchecked Sendable {
   /// The time the drains take queued entries up to.
   private var dueBy: Int64 { uploadsWaitForBackoff ? clock.nowNs() : Int64.max / 2 }
 
-  /// Uploads everything queued (the upload delay is 0 here) but the content of files a handle
-  /// holds unflushed writes of: as on the mount, such a file's new place reaches the cloud and
-  /// its content waits for the handle's flush.
-  func drainUploads() throws {
-    func heldByAWriter(_ entry: QueueEntry) -> Bool {
-      entry.item.map { core.inodes.dirtyHandleCount($0) > 0 } ?? false
+  /// Uploads everything queued (the upload delay is 0 here) but what waits for a writer's
+  /// flush: as on the mount, the content of a file a handle holds unflushed writes of (its new
+  /// place reaches the cloud, its content waits), and the new name of a file renamed away from
+  /// its cloud place while a new file there is being written (an editor's save that keeps a
+  /// backup: the backup's name waits, for a while, for the new file's writer). Returns the
+  /// files left queued for another file's writer.
+  @discardableResult
+  func drainUploads() throws -> Set<Int64> {
+    /// The file whose writer `inode`'s entry waits for, if another's.
+    func otherWriterWaitedFor(_ inode: Int64) -> Int64? {
+      guard let row = try? index.item(inode), let holder = try? index.unsentFileAtTheCloudPlace(of: row),
+        core.inodes.isBusy(holder)
+      else { return nil }
+      return holder
+    }
+    func waitsForAWriter(_ entry: QueueEntry) -> Bool {
+      guard let inode = entry.item else { return false }
+      return core.inodes.dirtyHandleCount(inode) > 0 || otherWriterWaitedFor(inode) != nil
     }
     // An entry whose file a writer holds is tried too (its rename may go ahead of its content)
     // and then waits for the flush: the queue is drained once only such entries are left.
     var passesWithOnlyHeldEntries = 0
     for _ in 0..<50 {
       let due = try index.dueQueue(now: dueBy, limit: 64)
-      if due.isEmpty { return }
-      if due.allSatisfy(heldByAWriter) {
+      if due.isEmpty { return [] }
+      if due.allSatisfy(waitsForAWriter) {
         passesWithOnlyHeldEntries += 1
-        if passesWithOnlyHeldEntries > 3 { return }
+        if passesWithOnlyHeldEntries > 3 {
+          return Set(due.compactMap { $0.item }.filter { otherWriterWaitedFor($0) != nil })
+        }
       }
       let w = worker!
       _ = try runBlocking { await w.drain(due) }

@@ -239,10 +239,10 @@ final class ModelRun {
     case 9 where step.n % 2 == 1:  // upload everything, then evict every file that is not open
       try drainUploads()
       for (path, id) in model.paths where model.nodes[id] != .directory {
-        // Evicting an evicted file is a no-op; an open or pinned file with local content is
-        // refused.
+        // Evicting an evicted file is a no-op; an open, pinned or still pending file with
+        // local content is refused.
         let evicted = try isEvicted(path)
-        let refused = (held.contains { $0.node == id } || pinned.contains(id)) && !evicted
+        let refused = (held.contains { $0.node == id } || pinned.contains(id) || pending.contains(id)) && !evicted
         let got = errno { try core.evict(try resolve(path).inode) }
         // A pinned file's fetch may end between the look and the eviction: still dataless (a
         // no-op), or cached and pinned (EBUSY).
@@ -255,10 +255,11 @@ final class ModelRun {
         }
       }
       ModelRun.stats["evict-all", default: 0] += 1
-    case 9:  // evict after everything was uploaded: refused only while the file is open or pinned
+    case 9:  // evict after everything was uploaded: refused only while the file is open, pinned or pending
       try drainUploads()
       var want: Int32 = model.parentError(p) ?? (model.paths[p] == nil ? ENOENT : 0)
-      if want == 0, let id = model.paths[p], held.contains(where: { $0.node == id }) || pinned.contains(id),
+      if want == 0, let id = model.paths[p],
+        held.contains(where: { $0.node == id }) || pinned.contains(id) || pending.contains(id),
         !(try isEvicted(p))
       {
         want = EBUSY
@@ -367,10 +368,12 @@ final class ModelRun {
           if residency[id] == .fetching { residency[id] = .fetchMayRun }
         }
       }
-    case 19:  // another device replaces the file's content; nothing here has it open
+    case 19:  // another device replaces the file's content; nothing here has it open or pending
       let (node, want) = model.lookupFile(p)
       guard want == 0, !held.contains(where: { $0.node == node }) else { return }
       try drainUploads()
+      // The other device names the file by the place it has in the cloud.
+      guard !pending.contains(node) else { return }
       if otherDevice == nil { otherDevice = try CoreWorld(cloud: world.cloud) }
       let other = otherDevice!
       try other.pull()
@@ -413,9 +416,20 @@ final class ModelRun {
   }
 
   /// Uploads everything the core may upload: what a handle holds unflushed stays.
+  /// Uploads everything that can go now. What stays pending: files a handle holds writes of,
+  /// and files the core keeps queued for another file's writer (a file renamed away from its
+  /// uploaded place while a new file there is open for writing): those must be pending
+  /// already, and a writer must hold a file.
   func drainUploads() throws {
-    try world.drainUploads()
-    pending = pending.filter { id in held.contains { $0.node == id && $0.wrote } }
+    let waiting = try world.drainUploads()
+    var waitingNodes: Set<Int> = []
+    for (path, id) in model.paths where waiting.contains(try resolve(path).inode) {
+      #expect(
+        pending.contains(id) && held.contains { $0.writable && $0.node != id },
+        "\(path) waits for another file's writer, but has no change or no writer holds a file; steps: \(log)")
+      waitingNodes.insert(id)
+    }
+    pending = pending.filter { id in held.contains { $0.node == id && $0.wrote } || waitingNodes.contains(id) }
   }
 
   /// The content states `user.ubiq.content_state` may show for file node `id`.
@@ -587,6 +601,13 @@ final class ModelRun {
     // is made; the folder keeps its name c (found by the model test, seed
     // 8qnr0fOOEVBLcKRebGr8BZ+H4EEb4J82rYi50JSCR2w=).
     [(0, 2, 0, 0), (19, 2, 0, 0), (6, 1, 0, 0), (4, 2, 6, 0), (4, 1, 2, 0), (0, 1, 0, 0), (19, 1, 0, 0)],
+    // File c is uploaded and renamed a; a new file c is made and written through a handle
+    // that stays open: a's move drains while c's upload waits for the writer's flush (found
+    // by the model test, seed 05J0tYgAlctrvSI1mTv+/X63dK3d8w/gj8m0KQt7FVY=).
+    [(0, 2, 0, 0), (9, 0, 0, 0), (4, 2, 0, 0), (0, 2, 0, 0), (10, 2, 0, 0), (11, 0, 0, 0), (9, 0, 0, 0)],
+    // The same with the backup at b, which another device cannot change by that name while
+    // its move waits.
+    [(0, 2, 0, 0), (9, 0, 0, 0), (4, 2, 1, 0), (0, 2, 0, 0), (10, 2, 0, 154), (11, 3, 2, 8205), (19, 1, 6, 3793)],
   ]
 
   @Test func knownSequences() async throws {
