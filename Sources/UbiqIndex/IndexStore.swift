@@ -1264,9 +1264,11 @@ public final class IndexStore: @unchecked Sendable {
   }
 
   /// The cache file of `inode` was fdatasync'ed after revision `revision` was recorded: its
-  /// bytes up to that revision are durable.
+  /// bytes up to that revision are durable. A change of the open batch: an fsync then commits
+  /// it with the handle's record, in one transaction; lost to a power loss, the mark only makes
+  /// the next mount check the file again.
   public func clearContentUnsynced(_ inode: Int64, upTo revision: Int64) throws {
-    try write { db in
+    try batchedWrite { db in
       try db.cached("DELETE FROM unsyncedContent WHERE item = ? AND revision <= ?")
         .execute(arguments: [inode, revision])
     }

@@ -1,4 +1,5 @@
 import Foundation
+import Synchronization
 import Testing
 import UbiqCloud
 import UbiqCloudAPI
@@ -333,6 +334,35 @@ import UbiqSync
       try w.crashAndRestart()
       #expect(try w.index.item(a.inode)!.revision == revision, "nothing re-recorded at mount")
       #expect(try w.readFile("synced") == Data("bytes\n".utf8))
+    }
+  }
+
+  /// An fsync commits the index once: the handle's writes are recorded and the unsynced mark
+  /// is cleared in the one transaction that the fsync then makes durable (an append followed by
+  /// an fdatasync, again and again, is what databases and logs do).
+  @Test func anFsyncCommitsTheIndexOnce() async throws {
+    let commits = Mutex(0)
+    let counting = Mutex(false)
+    try await onOwnThread {
+      let w = try CoreWorld(statementObserver: { sql in
+        if counting.withLock({ $0 }), sql.uppercased().hasPrefix("COMMIT") { commits.withLock { $0 += 1 } }
+      })
+      let (a, opened) = try w.core.create(parent: w.documents, name: "log", mode: 0o644, caller: .current)
+      try w.index.commitBatch()
+      for round in 0..<3 {
+        let line = Data("line \(round)\n".utf8)
+        _ = try line.withUnsafeBytes { try w.core.write(opened.handle, $0, offset: Int64(round * line.count)) }
+        commits.withLock { $0 = 0 }
+        counting.withLock { $0 = true }
+        try w.core.fsync(opened.handle, dataOnly: true)
+        counting.withLock { $0 = false }
+        #expect(commits.withLock { $0 } == 1, "round \(round): commits of the index during the fsync")
+        #expect(try w.index.unsyncedContentItems() == [], "round \(round)")
+      }
+      w.core.release(opened.handle)
+      try w.crashAndRestart()
+      #expect(try w.readFile("log") == Data("line 0\nline 1\nline 2\n".utf8))
+      #expect(try w.index.item(a.inode)!.size == 21)
     }
   }
 
