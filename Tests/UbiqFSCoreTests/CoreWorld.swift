@@ -29,6 +29,8 @@ final class CoreWorld: @unchecked Sendable {
 
   /// Handed the SQL of every statement the index runs (nil: not traced).
   let statementObserver: (@Sendable (String) -> Void)?
+  /// When the index's batches of the mount's changes commit.
+  let batching: NamespaceBatchPolicy
   /// The device's wall clock (mtimes, when queued uploads are due).
   let clock: WallClock
   /// Where the device's index takes new ids from.
@@ -43,9 +45,10 @@ final class CoreWorld: @unchecked Sendable {
   init(
     cloud: CloudService? = nil, cloudDirectory: URL? = nil, clock: WallClock = .system,
     identifiers: IdentifierSource = .random, waitClock: any _Concurrency.Clock<Duration> = ContinuousClock(),
-    statementObserver: (@Sendable (String) -> Void)? = nil
+    statementObserver: (@Sendable (String) -> Void)? = nil, batching: NamespaceBatchPolicy = NamespaceBatchPolicy()
   ) throws {
     self.statementObserver = statementObserver
+    self.batching = batching
     self.clock = clock
     self.identifiers = identifiers
     self.waitClock = waitClock
@@ -87,7 +90,7 @@ final class CoreWorld: @unchecked Sendable {
     try FileManager.default.createDirectory(at: state, withIntermediateDirectories: true)
     let index = try IndexStore(
       path: state.appendingPathComponent("index.sqlite").path, clock: clock, identifiers: identifiers,
-      batching: NamespaceBatchPolicy(), statementObserver: statementObserver)
+      batching: batching, statementObserver: statementObserver)
     index.uploadDelayNs = 0
     try index.bootstrap(uid: getuid(), gid: getgid())
     try runBlocking { [cloud, container] in
