@@ -359,8 +359,12 @@ class Ubiq:
         while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
             try:
                 with open(f"/proc/{pid}/stat") as f:
-                    if f.read().split(")")[1].split()[0] == "Z":
-                        break
+                    state = f.read().split(")")[1].split()[0]
+                # Exited, waiting to be reaped, once its last thread is gone: the main thread
+                # can be a zombie while another (in an fdatasync, say) still exits and holds
+                # the files, the container's lock among them.
+                if state == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
+                    break
             except OSError:
                 break
             time.sleep(0.02)
