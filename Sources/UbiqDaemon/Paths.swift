@@ -110,13 +110,18 @@ public struct DaemonRecord: Codable, Sendable {
     return startedAt.timeIntervalSince1970 >= boot - 1
   }
 
-  /// True while the process exists and is not a zombie waiting to be reaped.
+  /// True while the process exists and is not a zombie waiting to be reaped. Its main thread
+  /// can be a zombie while another thread still exits (a SIGKILL'ed daemon with a thread in an
+  /// fdatasync): the process then still holds its files, the container's lock among them, and
+  /// is alive.
   public var isAlive: Bool {
     guard kill(pid, 0) == 0 || errno == EPERM else { return false }
     guard let stat = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8),
       let close = stat.lastIndex(of: ")")
     else { return true }
-    return !stat[stat.index(after: close)...].trimmingCharacters(in: .whitespaces).hasPrefix("Z")
+    guard stat[stat.index(after: close)...].trimmingCharacters(in: .whitespaces).hasPrefix("Z") else { return true }
+    let threads = (try? FileManager.default.contentsOfDirectory(atPath: "/proc/\(pid)/task")) ?? []
+    return threads.contains { $0 != String(pid) }
   }
 }
 

@@ -50,6 +50,34 @@ import UbiqDaemon
     return p.processIdentifier
   }
 
+  /// A daemon whose main thread has exited while another thread still runs (SIGKILL reaches
+  /// every thread, but one in an fdatasync finishes it first) is alive: it still holds its files
+  /// and the container's lock, so `ubiqfs unmount` must wait for it, or a mount right after fails.
+  @Test func aProcessWhoseMainThreadExitedWhileAnotherRunsIsAlive() throws {
+    let p = Process()
+    p.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+    p.arguments = [
+      "-c",
+      "import ctypes, threading, time; threading.Thread(target=lambda: time.sleep(1.5)).start(); "
+        + "ctypes.CDLL(None).pthread_exit(None)",
+    ]
+    try p.run()
+    let record = DaemonRecord(
+      pid: p.processIdentifier, mountpoint: "/m", container: "iCloud.x", account: "a", startedAt: Date())
+    // Until the main thread is a zombie.
+    let deadline = Date().addingTimeInterval(1)
+    var leaderExited = false
+    while !leaderExited && Date() < deadline {
+      let stat = (try? String(contentsOfFile: "/proc/\(p.processIdentifier)/stat", encoding: .utf8)) ?? ""
+      leaderExited = stat.split(separator: ")").last?.trimmingCharacters(in: .whitespaces).hasPrefix("Z") == true
+      usleep(10_000)
+    }
+    #expect(leaderExited, "the main thread exits first")
+    #expect(record.isAlive, "its other thread still runs")
+    p.waitUntilExit()
+    #expect(!record.isAlive, "gone once every thread has exited")
+  }
+
   @Test func containerFoldersLiveUnderTheirAccountAndAreListedInOrder() throws {
     let root = try TemporaryRoot()
     #expect(root.paths.cloudDir.path == root.url.path + "/cloud")
